@@ -1,0 +1,132 @@
+"""The decode loop: propose -> verify -> accept -> commit."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..tree.buffers import TreeBuffers
+from .cache import keep_accepted, new_cache
+from .propose import Drafter
+from .verify import Target
+
+class AcceptRule(Protocol):
+    def first(self, logits: torch.Tensor) -> int:
+        """(1, V) prefill logits -> the first new token."""
+        ...
+
+    def accept(self, tree_tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, int]:
+        """(T,), (T, V) -> (accepted node indices, root first; the target's own next token)."""
+        ...
+
+
+@dataclass
+class DecodeStats:
+    tokens_per_step: list[int] = field(default_factory=list)  # new tokens per target forward; [0] is the prefill
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", "propose", "verify", "accept", "commit"), 0.0))
+
+    @property
+    def steps(self) -> int:
+        """Target forwards, prefill included."""
+        return len(self.tokens_per_step)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(self.tokens_per_step)
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau: new tokens per target forward (plain decoding: 1.0)."""
+        return self.new_tokens / max(self.steps, 1)
+
+    @property
+    def accept_histogram(self) -> list[int]:
+        """accept_histogram[n - 1] = steps that yielded n tokens."""
+        counts = Counter(self.tokens_per_step)
+        return [counts.get(n, 0) for n in range(1, max(counts, default=0) + 1)]
+
+
+@dataclass
+class DecodeState:
+    sequence: torch.Tensor  # (capacity,) prompt then new tokens
+    length: int  # valid entries of sequence; the last is the root, not yet in the cache
+    past: int  # entries in the KV cache
+    hidden: torch.Tensor  # (H,) LM-head input at the last cached token
+    new_tokens: int = 0
+    done: bool = False
+
+
+def _emit(state: DecodeState, tokens: list[int], budget: int, eos: set[int]) -> list[int]:
+    """Append tokens, stopping at the budget or just after an EOS; returns what was appended."""
+    out = []
+    for tok in tokens:
+        state.sequence[state.length] = tok
+        state.length += 1
+        state.new_tokens += 1
+        out.append(tok)
+        if tok in eos or state.new_tokens >= budget:
+            state.done = True
+            break
+    return out
+
+
+@torch.no_grad()
+def decode(
+    target: Target,
+    drafter: Drafter,
+    buffers: TreeBuffers,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    rule: AcceptRule,
+    eos: set[int],
+    streamer=None,
+) -> tuple[torch.Tensor, DecodeStats]:
+    """input_ids: (1, L). Returns ((1, L + new) tokens, stats)."""
+    stats, clock = DecodeStats(), time.perf_counter
+    prompt_len = input_ids.shape[1]
+    cache = new_cache(target.model)
+    sequence = torch.empty(prompt_len + max_new_tokens + buffers.size, dtype=torch.long, device=input_ids.device)
+    sequence[:prompt_len] = input_ids[0]
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    t0 = clock()
+    out = target.prefill(input_ids, cache)
+    root = rule.first(out.logits[-1:])
+    state = DecodeState(sequence, prompt_len, prompt_len, out.hidden[-1])
+    chunk = _emit(state, [root], max_new_tokens, eos)
+    stats.tokens_per_step.append(len(chunk))
+    stats.seconds["prefill"] += clock() - t0
+    if streamer is not None:
+        streamer.put(torch.tensor(chunk))
+
+    while not state.done:
+        # 1. propose: the heads draft the tree below the root
+        t0 = clock()
+        root_t = state.sequence[state.length - 1 : state.length]
+        tree = torch.cat([root_t, drafter.draft(state.hidden, state.sequence[: state.length], buffers)])
+        # 2. verify: one target forward over root + nodes
+        t1 = clock()
+        out = target.verify(tree, state.past, cache, buffers)
+        # 3. accept: longest path the target agrees with, plus the target's own next token
+        t2 = clock()
+        nodes, bonus = rule.accept(tree, out.logits, buffers)
+        # 4. commit: cache keeps root + accepted nodes; the bonus becomes the next root
+        t3 = clock()
+        keep_accepted(cache, state.past, nodes)
+        state.past += nodes.shape[0]
+        state.hidden = out.hidden[nodes[-1]]
+        chunk = _emit(state, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos)
+        stats.tokens_per_step.append(len(chunk))
+        t4 = clock()
+        for key, dt in zip(("propose", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            stats.seconds[key] += dt
+        if streamer is not None:
+            streamer.put(torch.tensor(chunk))
+
+    if streamer is not None:
+        streamer.end()
+    return state.sequence[None, : state.length].clone(), stats

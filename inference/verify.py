@@ -1,0 +1,65 @@
+"""The target side: prefill, and one forward over a whole token tree with a 4D mask."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from ..tree.buffers import TreeBuffers
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (T, V): the target's logits for the token after each input position
+    hidden: torch.Tensor  # (T, H): the LM head's input at each position
+
+
+class Target:
+    """Drives an unmodified transformers causal LM. Quirks of versions and families live here only."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.24 renames `past_key_values` to `cache` (the old name still works, with a warning).
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.lm_head = model.get_output_embeddings()
+        if self.lm_head is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to read hidden states from")
+        self._tap: torch.Tensor | None = None
+
+    def _record(self, module: torch.nn.Module, args: tuple) -> None:
+        self._tap = args[0]
+
+    def _run(self, **kwargs) -> TargetOutput:
+        kwargs[self.cache_kw] = kwargs.pop("cache")
+        self._tap = None
+        hook = self.lm_head.register_forward_pre_hook(self._record)  # only for our own calls
+        try:
+            out = self.model(use_cache=True, return_dict=True, **kwargs)
+        finally:
+            hook.remove()
+        if self._tap is None:
+            raise RuntimeError(f"{type(self.model).__name__}'s forward did not call its LM head")
+        return TargetOutput(logits=out.logits[0], hidden=self._tap[0])
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, cache: DynamicCache) -> TargetOutput:
+        """input_ids: (1, L). Fills the cache; returns logits and hidden state of the last position only."""
+        return self._run(input_ids=input_ids, cache=cache, logits_to_keep=1)
+
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor, past: int, cache: DynamicCache, buffers: TreeBuffers) -> TargetOutput:
+        """tokens: (T,) tree tokens (root first). Each node sees the cached prefix and its own ancestors,
+        at position past + depth. Appends T entries to the cache."""
+        t = tokens.shape[0]
+        dtype = self.model.dtype
+        mask = torch.zeros(1, 1, t, past + t, dtype=dtype, device=tokens.device)
+        mask[..., past:].masked_fill_(~buffers.mask, torch.finfo(dtype).min)
+        return self._run(
+            input_ids=tokens[None],
+            attention_mask=mask,
+            position_ids=(buffers.depth + past)[None],
+            cache=cache,
+        )

@@ -1,0 +1,73 @@
+"""MedusaConfig: what a heads checkpoint is, round-tripped through config.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+FORMAT_VERSION = 1
+DEFAULT_TREE = "cpu-16"
+
+
+@dataclass
+class MedusaConfig:
+    num_heads: int = 4  # K: head k (1..K) guesses the token k+1 steps after the last accepted one
+    num_layers: int = 1  # residual blocks per head
+    hidden_size: int = 0  # the base model's final hidden size (the LM head's input)
+    vocab_size: int = 0  # the base model's vocabulary (rows of its LM head)
+    own_lm_head: bool = False  # False: heads score through the base's frozen LM head; True: each has its own
+    draft_vocab: list[int] | None = None  # token ids the heads may propose (their LM-head rows); None: all
+    tree: list[list[int]] | str = DEFAULT_TREE  # preset name from configs/trees/ or rank paths
+    base_fingerprint: dict | None = None  # {architecture, hidden_size, vocab_size, lm_head_sha256}
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)  # free-form provenance (training recipe, data, metrics)
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.hidden_size < 1 or self.vocab_size < 1:
+            raise ValueError(f"hidden_size and vocab_size must be set, got {self.hidden_size} and {self.vocab_size}")
+        if self.format_version > FORMAT_VERSION:
+            raise ValueError(
+                f"heads were saved with format version {self.format_version}, newer than this medusa-heads "
+                f"understands ({FORMAT_VERSION}); upgrade medusa-heads"
+            )
+        if self.format_version < 1:
+            raise ValueError(f"unknown heads format version {self.format_version}")
+        if self.draft_vocab is not None:
+            ids = self.draft_vocab
+            if len(ids) == 0:
+                raise ValueError("draft_vocab is empty")
+            bad = [i for i in ids if not 0 <= i < self.vocab_size]
+            if bad:
+                raise ValueError(f"draft_vocab holds id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            if len(set(ids)) != len(ids):
+                raise ValueError("draft_vocab holds duplicate ids")
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MedusaConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown keys in heads config: {', '.join(unknown)}")
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MedusaConfig":
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(d)

@@ -1,0 +1,182 @@
+"""MedusaModel: an unmodified transformers causal LM plus Medusa heads, with a lossless generate."""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from .checkpoint import base_fingerprint, check_fingerprint, load_config, load_heads, save_heads
+from .config import MedusaConfig
+from .heads import MedusaHeads
+from .inference.accept import TargetChoice, TypicalAcceptance
+from .inference.decode import DecodeStats, decode
+from .inference.propose import Drafter, HeadsDrafter
+from .inference.sampling import build_warpers
+from .inference.support import check_tree_attention
+from .inference.verify import Target
+from .models import DEFAULT_MODEL, default_heads_path, default_model_path
+from .tree import TreeSpec, build_buffers, load_tree
+
+# GenerationConfig fields generate() honours; any other field set away from its default raises.
+_SUPPORTED = {
+    "max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p",
+    "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "return_dict_in_generate",
+}
+_IGNORED = {"transformers_version", "_from_model_config", "_commit_hash", "generation_kwargs", "cache_implementation"}
+
+
+@dataclass
+class MedusaGenerateOutput:
+    sequences: torch.Tensor  # (1, prompt + new)
+    stats: DecodeStats
+
+
+class MedusaModel(nn.Module):
+    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads, tree: TreeSpec | None = None) -> None:
+        super().__init__()
+        self.base_model = base_model
+        self.heads = heads
+        self.config = heads.config
+        self.target = Target(base_model)
+        self.set_tree(tree if tree is not None else load_tree(heads.config.tree))
+
+    # ---- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        base: str | os.PathLike | PreTrainedModel = DEFAULT_MODEL,
+        heads: str | os.PathLike | None = "auto",
+        *,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        own_lm_head: bool = False,
+        draft_vocab: Sequence[int] | None = None,
+        tree: str | Sequence[Sequence[int]] | None = None,
+        allow_base_mismatch: bool = False,
+        **base_kwargs,
+    ) -> "MedusaModel":
+        """base: the default model's name, a local HF directory, a hub id, or a loaded model.
+        heads: a heads directory; None for new (untrained) heads; "auto" for the shipped heads of the
+        default model and new heads otherwise. tree: preset name or rank paths (default: the heads' own)."""
+        is_default = isinstance(base, str) and base == DEFAULT_MODEL
+        if not isinstance(base, PreTrainedModel):
+            path = default_model_path() if is_default else base
+            base_kwargs.setdefault("dtype", torch.float32)
+            base = AutoModelForCausalLM.from_pretrained(path, **base_kwargs)
+        base.eval()
+        base.requires_grad_(False)
+        target = Target(base)
+        check_tree_attention(target)
+        lm_weight = target.lm_head.weight
+
+        if heads == "auto":
+            heads = _shipped_heads() if is_default else None
+        if heads is None:
+            config = MedusaConfig(
+                num_heads=num_heads,
+                num_layers=num_layers,
+                hidden_size=lm_weight.shape[1],
+                vocab_size=lm_weight.shape[0],
+                own_lm_head=own_lm_head,
+                draft_vocab=list(draft_vocab) if draft_vocab is not None else None,
+                base_fingerprint=base_fingerprint(base),
+            )
+            medusa_heads = MedusaHeads(config, lm_weight)
+        else:
+            config = load_config(heads)
+            check_fingerprint(config, base, allow_base_mismatch)
+            medusa_heads = load_heads(heads, lm_weight, config)
+        medusa_heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
+        return cls(base, medusa_heads, load_tree(tree) if tree is not None else None)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Heads only: config.json + heads.safetensors."""
+        self.config.tree = self.tree.to_list()
+        return save_heads(directory, self.heads, self.config)
+
+    def set_tree(self, tree: str | Sequence[Sequence[int]] | TreeSpec) -> None:
+        spec = load_tree(tree)
+        spec.check_heads(self.config.num_heads)
+        self.tree = spec
+        self.buffers = build_buffers(spec).to(self.base_model.device)
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+    def _generation_config(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+        gc = copy.deepcopy(generation_config or self.base_model.generation_config)
+        unused = gc.update(**kwargs)
+        if unused:
+            raise TypeError(f"generate() got arguments it does not support: {', '.join(sorted(unused))}")
+        default = GenerationConfig().to_dict()
+        for key, value in gc.to_dict().items():
+            if key in _SUPPORTED or key in _IGNORED or key not in default:
+                continue
+            if value != default[key] and not (_unset(value) and _unset(default[key])):
+                raise ValueError(f"generate() does not support {key}={value!r} (medusa-heads supports: {', '.join(sorted(_SUPPORTED))})")
+        return gc
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        *,
+        acceptance: str = "exact",
+        posterior_threshold: float = 0.09,
+        posterior_alpha: float = 0.3,
+        streamer=None,
+        drafter: Drafter | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs,
+    ) -> torch.Tensor | MedusaGenerateOutput:
+        """Like transformers' generate (decoder-only, one sequence). Greedy output equals the base model's greedy
+        output token for token, and sampled output follows the base model's distribution exactly, unless
+        acceptance="typical" (Medusa's typical acceptance: faster, lossy)."""
+        gc = self._generation_config(generation_config, kwargs)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: give at least one prompt token")
+        if input_ids.shape[0] != 1:
+            raise NotImplementedError(f"batched generation is not supported yet: got batch size {input_ids.shape[0]}")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise NotImplementedError("attention_mask with padding is not supported yet (batch size 1 needs none)")
+        max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - input_ids.shape[1]
+        if max_new < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        eos = gc.eos_token_id
+        eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+        if acceptance == "exact":
+            rule = TargetChoice(build_warpers(gc) if gc.do_sample else None, generator)
+        elif acceptance == "typical":
+            if not gc.do_sample:
+                raise ValueError('acceptance="typical" needs do_sample=True (greedy decoding is already exact)')
+            rule = TypicalAcceptance(build_warpers(gc), posterior_threshold, posterior_alpha, generator)
+        else:
+            raise ValueError(f'acceptance must be "exact" or "typical", got {acceptance!r}')
+
+        ids = input_ids.to(self.base_model.device)
+        sequences, stats = decode(
+            self.target, drafter or HeadsDrafter(self.heads), self.buffers, ids, max_new, rule, eos, streamer
+        )
+        if gc.return_dict_in_generate:
+            return MedusaGenerateOutput(sequences, stats)
+        return sequences
+
+
+def _unset(value) -> bool:
+    return value is None or value is False or value == 0 or value == {} or value == []
+
+
+def _shipped_heads() -> Path | None:
+    try:
+        return default_heads_path()
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,1 @@
+"""Training: self-distillation, features, loss, trainer."""

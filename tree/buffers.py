@@ -1,0 +1,74 @@
+"""TreeBuffers: every tensor the decode loop needs for one TreeSpec, built once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .spec import TreeSpec
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """Node 0 is the root (the target's own token); nodes 1..N are the spec's paths in order.
+    T = N + 1 tree tokens, D = depth, P = root-to-leaf paths."""
+
+    mask: torch.Tensor  # (T, T) bool: node i attends to node j iff j is i or an ancestor of i
+    depth: torch.Tensor  # (T,) long: root 0
+    draft_index: torch.Tensor  # (N,) long: (depth - 1) * topk + rank, index into the heads' flat (K * topk) top-k ids
+    parent: torch.Tensor  # (T,) long: parent node, -1 for the root
+    paths: torch.Tensor  # (P, D + 1) long: node indices root -> leaf, padded with the leaf
+    path_len: torch.Tensor  # (P,) long: nodes on each path, root included
+    children: tuple[tuple[int, ...], ...]  # children[i]: node indices of i's children
+    topk: int  # ranks read from each head
+    num_heads: int  # heads the tree reads (= depth)
+
+    @property
+    def size(self) -> int:
+        """Tree tokens, root included."""
+        return self.mask.shape[0]
+
+    def to(self, device: torch.device | str) -> "TreeBuffers":
+        moved = {
+            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
+            for f in fields(self)
+        }
+        return TreeBuffers(**moved)
+
+
+def build_buffers(spec: TreeSpec) -> TreeBuffers:
+    """Build the buffers for a validated spec."""
+    nodes = [()] + list(spec.paths)
+    index = {path: i for i, path in enumerate(nodes)}
+    t, topk = len(nodes), spec.topk
+
+    parent = [-1] + [index[p[:-1]] for p in spec.paths]
+    children: list[list[int]] = [[] for _ in range(t)]
+    for i in range(1, t):
+        children[parent[i]].append(i)
+
+    mask = torch.zeros(t, t, dtype=torch.bool)
+    for i, path in enumerate(nodes):
+        for d in range(len(path) + 1):
+            mask[i, index[path[:d]]] = True
+
+    leaves = [i for i in range(t) if not children[i]]
+    depth = spec.depth
+    paths = torch.zeros(len(leaves), depth + 1, dtype=torch.long)
+    path_len = torch.zeros(len(leaves), dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        chain = [index[nodes[leaf][:d]] for d in range(len(nodes[leaf]) + 1)]
+        paths[row] = torch.tensor(chain + [leaf] * (depth + 1 - len(chain)))
+        path_len[row] = len(chain)
+
+    return TreeBuffers(
+        mask=mask,
+        depth=torch.tensor([len(p) for p in nodes], dtype=torch.long),
+        draft_index=torch.tensor([(len(p) - 1) * topk + p[-1] for p in spec.paths], dtype=torch.long),
+        parent=torch.tensor(parent, dtype=torch.long),
+        paths=paths,
+        path_len=path_len,
+        children=tuple(tuple(c) for c in children),
+        topk=topk,
+        num_heads=depth,
+    )
