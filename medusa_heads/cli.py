@@ -1,0 +1,148 @@
+"""The medusa-heads command: demo, generate, distill, train."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _load_base(name: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models import DEFAULT_MODEL, default_model_path
+
+    path = default_model_path() if name == DEFAULT_MODEL else name
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def _chat_ids(tokenizer, prompt: str):
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return enc["input_ids"]
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from transformers import TextStreamer
+
+    from .model import MedusaModel
+
+    base, tok = _load_base(args.model)
+    model = MedusaModel.from_pretrained(base, heads=args.heads if args.heads else ("auto" if args.model == "smollm2-135m-instruct" else None), tree=args.tree)
+    ids = _chat_ids(tok, args.prompt)
+    t = time.perf_counter()
+    res = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                         top_p=args.top_p, return_dict_in_generate=True, streamer=TextStreamer(tok, skip_prompt=True))
+    dt = time.perf_counter() - t
+    print(f"\n[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
+
+
+DEMO_PROMPTS = [
+    "Explain in a few sentences why the sky is blue.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Give me three tips for a job interview.",
+]
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Greedy generation with plain generate and with Medusa, alternating; prints tokens/s, tau and equality."""
+    import torch
+
+    from .model import MedusaModel
+
+    torch.set_num_threads(args.threads)
+    base, tok = _load_base(args.model)
+    model = MedusaModel.from_pretrained(base, heads=args.heads or ("auto" if args.model == "smollm2-135m-instruct" else None), tree=args.tree)
+    print(f"heads: {'shipped/trained' if args.heads or model.config.extra else 'untrained (zero-initialised)'}; tree {len(model.tree.paths)} nodes")
+    ids = _chat_ids(tok, "Hi")
+    base.generate(ids, max_new_tokens=4, do_sample=False), model.generate(ids, max_new_tokens=4)  # warm-up
+    t_hf = t_md = 0.0
+    n_tok = same = 0
+    taus = []
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        ids = _chat_ids(tok, prompt)
+        runs = [("hf", lambda: base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)),
+                ("medusa", lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True))]
+        out = {}
+        for name, fn in runs if i % 2 == 0 else runs[::-1]:  # alternate the order
+            t = time.perf_counter()
+            out[name] = fn()
+            out[name + "_t"] = time.perf_counter() - t
+        t_hf += out["hf_t"]
+        t_md += out["medusa_t"]
+        n_tok += out["hf"].shape[1] - ids.shape[1]
+        same += int(torch.equal(out["hf"], out["medusa"].sequences))
+        taus.append(out["medusa"].stats.mean_accepted)
+        print(f"[{i + 1}] {prompt}\n    {tok.decode(out['hf'][0, ids.shape[1]:], skip_special_tokens=True)[:160]!r}...")
+    print(f"\n{'method':<18}{'tokens/s':>10}{'tau':>7}{'speed-up':>10}")
+    print(f"{'transformers':<18}{n_tok / t_hf:>10.1f}{1.0:>7.2f}{1.0:>10.2f}")
+    print(f"{'medusa-heads':<18}{n_tok / t_md:>10.1f}{sum(taus) / len(taus):>7.2f}{t_hf / t_md:>10.2f}")
+    print(f"identical outputs: {same}/{len(DEMO_PROMPTS)}")
+
+
+def cmd_distill(args: argparse.Namespace) -> None:
+    import torch
+
+    from .model import MedusaModel
+    from .training.data import read_prompts, subsample
+    from .training.distill import distill
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    caps = {}
+    for c in args.cap:
+        source, _, n = c.partition("=")
+        if not n.isdigit():
+            raise SystemExit(f"--cap expects SOURCE=N, got {c!r}")
+        caps[source] = int(n)
+    rows = subsample(read_prompts(args.prompts), caps, seed=args.seed)[: args.limit]
+    base, tok = _load_base(args.model)
+    medusa = MedusaModel.from_pretrained(base, heads=args.heads) if args.heads else None
+    counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                     temperature=args.temperature, medusa=medusa, seed=args.seed)
+    print(f"distill: {counts}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="medusa-heads", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--model", default="smollm2-135m-instruct")
+    g.add_argument("--heads", default=None)
+    g.add_argument("--tree", default=None)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--do-sample", action="store_true")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.set_defaults(fn=cmd_generate)
+
+    d = sub.add_parser("demo", help="plain generate vs medusa on a few prompts: tokens/s, tau, equality")
+    d.add_argument("--model", default="smollm2-135m-instruct")
+    d.add_argument("--heads", default=None)
+    d.add_argument("--tree", default=None)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--threads", type=int, default=2)
+    d.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("distill", help="the target answers prompts itself (resumable: rerun continues)")
+    s.add_argument("--model", default="smollm2-135m-instruct")
+    s.add_argument("--prompts", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--limit", type=int, default=None)
+    s.add_argument("--cap", action="append", default=[], metavar="SOURCE=N", help="keep at most N rows of SOURCE")
+    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--batch-size", type=int, default=16)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--heads", default=None, help="draft with these heads (MedusaModel, one prompt at a time)")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_distill)
+
+    args = p.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random models of several families, and the real SmolLM2-135M-Instruct."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from medusa_heads import MedusaModel
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.2)  # peaked logits: no near-ties that float noise could flip
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "sliding_window": 4096}),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    config_name, model_name, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**{**TINY, **extra, **overrides})
+    return getattr(transformers, model_name)(config).eval()
+
+
+def randomize_heads(model: MedusaModel, std: float = 0.3, seed: int = 1) -> MedusaModel:
+    """Give zero-initialised heads random weights, so that their drafts are varied (mostly wrong)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+@pytest.fixture(scope="session")
+def real_base():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from medusa_heads import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)
+    return enc["input_ids"]

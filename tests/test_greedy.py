@@ -1,0 +1,122 @@
+"""Greedy output equals base.generate(do_sample=False), token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_heads import MedusaModel
+from medusa_heads.inference.verify import Target
+
+from conftest import ARCHS, chat_ids, randomize_heads, tiny_model
+
+
+class OracleDrafter:
+    """Proposes the true greedy continuation at rank 0 and a wrong token at other ranks."""
+
+    def __init__(self, reference: torch.Tensor, vocab: int) -> None:
+        self.reference, self.vocab = reference[0], vocab
+
+    def draft(self, hidden, sequence, buffers):
+        n = sequence.shape[0]  # the root sits at n - 1, so a depth-d node is the token at n - 1 + d
+        ref = torch.cat([self.reference, torch.zeros(buffers.size, dtype=torch.long)])
+        depth = buffers.depth[1:]
+        rank = (buffers.draft_index - (depth - 1) * buffers.topk)
+        truth = ref[n - 1 + depth]
+        return torch.where(rank == 0, truth, (truth + rank) % self.vocab)
+
+
+class WrongDrafter(OracleDrafter):
+    """Never right: every draft differs from the greedy continuation."""
+
+    def draft(self, hidden, sequence, buffers):
+        return (super().draft(hidden, sequence, buffers) + 1 + torch.arange(buffers.size - 1)) % self.vocab
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_random_heads_match_greedy(arch):
+    base = tiny_model(arch)
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-16"))
+    for seed in range(3):
+        ids = torch.randint(0, 96, (1, 5 + 3 * seed), generator=torch.Generator().manual_seed(seed))
+        # An explicit mask: else transformers infers padding wherever the prompt holds pad_token_id.
+        ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        out = model.generate(ids, max_new_tokens=40)
+        assert torch.equal(out, ref), f"{arch}, prompt {seed}"
+
+
+@pytest.mark.parametrize("tree", ["chain-4", "cpu-16", "cpu-32"])
+def test_oracle_drafter_accepts_everything(tree):
+    base = tiny_model("llama", seed=3)
+    model = MedusaModel.from_pretrained(base, heads=None, tree=tree)
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    depth = model.tree.depth
+    budget = 1 + 9 * (depth + 1)
+    ref = base.generate(ids, max_new_tokens=budget + depth + 1, do_sample=False)
+    res = model.generate(ids, max_new_tokens=budget, drafter=OracleDrafter(ref, 96), return_dict_in_generate=True)
+    assert torch.equal(res.sequences, ref[:, : ids.shape[1] + budget])
+    assert res.stats.tokens_per_step == [1] + [depth + 1] * 9  # every draft accepted: tau = depth + 1 per verify
+
+
+def test_wrong_drafter_yields_one_token_per_step():
+    base = tiny_model("llama", seed=4)
+    model = MedusaModel.from_pretrained(base, heads=None, tree="cpu-16")
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    ref = base.generate(ids, max_new_tokens=60, do_sample=False)
+    res = model.generate(ids, max_new_tokens=30, drafter=WrongDrafter(ref, 96), return_dict_in_generate=True)
+    assert torch.equal(res.sequences, ref[:, : ids.shape[1] + 30])
+    assert res.stats.tokens_per_step == [1] * 30
+
+
+def test_budget_and_eos_inside_an_accepted_chunk():
+    base = tiny_model("llama", seed=3)
+    model = MedusaModel.from_pretrained(base, heads=None, tree="chain-4")
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+    oracle = OracleDrafter(ref, 96)
+    for budget in (1, 2, 7, 13):  # budgets that end inside a 5-token chunk
+        res = model.generate(ids, max_new_tokens=budget, drafter=oracle, return_dict_in_generate=True)
+        assert torch.equal(res.sequences, ref[:, : ids.shape[1] + budget])
+        assert res.stats.new_tokens == budget
+    eos = int(ref[0, ids.shape[1] + 8])  # a token in the middle of an accepted chunk
+    want = base.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+    got = model.generate(ids, max_new_tokens=40, drafter=oracle, eos_token_id=eos)
+    assert torch.equal(got, want) and int(got[0, -1]) == eos
+
+
+def test_probe_refuses_a_model_that_ignores_the_4d_mask():
+    base = tiny_model("llama")
+    forward = base.forward
+
+    def mask_dropping_forward(*args, attention_mask=None, **kwargs):
+        return forward(*args, **kwargs)  # drops the tree mask: every node would see every other node
+
+    base.forward = mask_dropping_forward
+    with pytest.raises(ValueError, match="custom 4D attention mask"):
+        MedusaModel.from_pretrained(base, heads=None)
+
+
+def test_flash_attention_is_refused():
+    base = tiny_model("llama")
+    base.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        Target(base) and MedusaModel.from_pretrained(base, heads=None)
+
+
+PROMPTS = [
+    "What is the capital of France, and what is it famous for?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Give me three tips for staying focused while studying.",
+    "Explain the difference between weather and climate.",
+    "Translate to French: The library opens at nine in the morning.",
+]
+
+
+@pytest.mark.real
+def test_real_model_matches_greedy(real_base):
+    base, tok = real_base
+    model = MedusaModel.from_pretrained(base, heads="auto", tree="cpu-16")
+    for prompt in PROMPTS:
+        ids = chat_ids(tok, prompt)
+        ref = base.generate(ids, max_new_tokens=128, do_sample=False)
+        out = model.generate(ids, max_new_tokens=128)
+        assert torch.equal(out, ref), prompt

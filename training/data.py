@@ -1,0 +1,134 @@
+"""Prompt sets, self-distillation (the target writes the answers), chat tokenisation and loss masks."""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class PromptRow:
+    id: str  # stable id: the row's "id", else "<file stem>:<line number>"
+    turns: list[str]  # user turns; turn i+1 is asked after the model's own answer to turn i
+    source: str | None = None
+    category: str | None = None
+
+
+def read_prompts(path: str | os.PathLike) -> list[PromptRow]:
+    """Read JSONL rows {"prompt": str} or {"turns": [str, ...]}, optionally with "id", "source", "category".
+    A malformed line raises ValueError naming the file and line."""
+    path = Path(path)
+    rows, seen = [], set()
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            if ("prompt" in obj) == ("turns" in obj):
+                raise ValueError(f'{where}: a row needs exactly one of "prompt" or "turns"')
+            turns = [obj["prompt"]] if "prompt" in obj else obj["turns"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+                raise ValueError(f'{where}: "turns" must be a non-empty list of strings')
+            if any(not t.strip() for t in turns):
+                raise ValueError(f"{where}: empty prompt")
+            rid = str(obj.get("id", f"{path.stem}:{n}"))
+            if rid in seen:
+                raise ValueError(f"{where}: duplicate id {rid!r}")
+            seen.add(rid)
+            rows.append(PromptRow(rid, turns, obj.get("source"), obj.get("category")))
+    return rows
+
+
+def subsample(rows: list[PromptRow], caps: dict[str, int], seed: int = 0) -> list[PromptRow]:
+    """Keep at most caps[source] rows of each capped source (a seeded choice), then shuffle all rows."""
+    rng = random.Random(seed)
+    by_source: dict[str | None, list[PromptRow]] = {}
+    for r in rows:
+        by_source.setdefault(r.source, []).append(r)
+    out = []
+    for source, group in by_source.items():
+        cap = caps.get(source) if source is not None else None
+        out += rng.sample(group, cap) if cap is not None and len(group) > cap else group
+    rng.shuffle(out)
+    return out
+
+
+# ---- distilled conversations (JSONL, append-only, resumable) ----------------------------------------------------
+
+def read_conversations(path: str | os.PathLike, repair: bool = False) -> list[dict]:
+    """Rows {"id", "source", "messages": [{"role", "content"}, ...]}. A truncated last line (a killed writer)
+    is dropped with repair=True (the file is cut back to its last complete line) and is an error otherwise."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    rows = []
+    complete = data.rfind(b"\n") + 1
+    if complete < len(data):
+        if not repair:
+            raise ValueError(f"{path}: last line is truncated (an interrupted write); rerun distill to repair it")
+        with path.open("r+b") as f:
+            f.truncate(complete)
+    for n, line in enumerate(data[:complete].decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
+            raise ValueError(f'{path}:{n}: expected an object with a "messages" list')
+        rows.append(obj)
+    return rows
+
+
+def append_conversations(path: str | os.PathLike, rows: list[dict]) -> None:
+    """Append whole lines in one write, then fsync: a kill leaves at most one truncated last line."""
+    if not rows:
+        return
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---- tokenisation for training ------------------------------------------------------------------------------------
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chat-template tokens (L,) and a loss mask (L,) that is True on assistant tokens only (their answers,
+    including the end-of-turn token), cut to max_length."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, msg in enumerate(messages):
+        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=msg["role"] == "assistant") if i else []
+        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
+        prefix, full = _ids(prefix), _ids(full)
+        if full[: len(ids)] != ids:
+            raise ValueError("the chat template does not extend turn by turn; cannot build loss masks")
+        start = len(prefix) if msg["role"] == "assistant" else len(ids)
+        mask += [False] * (start - len(ids)) + [msg["role"] == "assistant"] * (len(full) - start)
+        ids = full
+    return torch.tensor(ids[:max_length]), torch.tensor(mask[:max_length])
+
+
+def _ids(x) -> list[int]:
+    if isinstance(x, dict) or hasattr(x, "input_ids"):
+        x = x["input_ids"]
+    return list(x)
+
+
+def batches(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]

@@ -1,0 +1,82 @@
+"""Self-distillation: the target answers prompts with its own chat template. Append-only and resumable."""
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .data import PromptRow, append_conversations, batches, read_conversations
+
+
+@torch.no_grad()
+def distill(
+    model,
+    tokenizer,
+    rows: list[PromptRow],
+    out: str | os.PathLike,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    temperature: float = 0.0,
+    max_prompt_tokens: int = 1024,
+    medusa=None,
+    seed: int = 0,
+) -> dict:
+    """Answer every row not yet in `out` and append one conversation per row. Rows are batched with left padding
+    (by length, to waste little); with `medusa` (a MedusaModel) rows are drafted one by one with its heads.
+    Returns counts: done before, written now, skipped (prompt too long)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {r["id"] for r in read_conversations(out, repair=True)}
+    todo = [r for r in rows if r.id not in done]
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    sample = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else dict(do_sample=False)
+    counts = {"done_before": len(done), "written": 0, "skipped_too_long": 0}
+    # Sort by prompt length within windows of 16 batches, so that a batch pads little while a partial run
+    # still covers the (shuffled) input evenly.
+    window = 16 * batch_size
+    todo = [r for i in range(0, len(todo), window) for r in sorted(todo[i : i + window], key=lambda r: len(r.turns[0]))]
+    bar = tqdm(total=len(todo), desc="distill", unit="prompt")
+    for group in batches(todo, 1 if medusa is not None else batch_size):
+        convs = [[] for _ in group]
+        alive = list(range(len(group)))
+        for turn in range(max(len(r.turns) for r in group)):
+            alive = [i for i in alive if turn < len(group[i].turns)]
+            for i in alive:
+                convs[i].append({"role": "user", "content": group[i].turns[turn]})
+            texts = [tokenizer.apply_chat_template(convs[i], tokenize=False, add_generation_prompt=True) for i in alive]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            too_long = [i for i, n in zip(alive, enc["attention_mask"].sum(1).tolist()) if n > max_prompt_tokens]
+            if too_long:
+                counts["skipped_too_long"] += len(too_long)
+                alive = [i for i in alive if i not in too_long]
+                for i in too_long:
+                    convs[i] = []
+                if not alive:
+                    break
+                texts = [tokenizer.apply_chat_template(convs[i], tokenize=False, add_generation_prompt=True) for i in alive]
+                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            torch.manual_seed(seed + zlib.crc32(group[alive[0]].id.encode()))  # same draws on a rerun
+            if medusa is not None:
+                gen = medusa.generate(enc["input_ids"], max_new_tokens=max_new_tokens, **sample)
+            else:
+                gen = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sample)
+            new = gen[:, enc["input_ids"].shape[1] :]
+            for j, i in enumerate(alive):
+                answer = tokenizer.decode(new[j], skip_special_tokens=True)
+                convs[i].append({"role": "assistant", "content": answer})
+        written = [
+            {"id": r.id, "source": r.source, "messages": c}
+            for r, c in zip(group, convs)
+            if c and c[-1]["role"] == "assistant"
+        ]
+        append_conversations(out, written)
+        counts["written"] += len(written)
+        bar.update(len(group))
+    bar.close()
+    return counts
