@@ -83,11 +83,12 @@ def decode(
     rule: AcceptRule,
     eos: set[int],
     streamer=None,
+    cache=None,
 ) -> tuple[torch.Tensor, DecodeStats]:
-    """input_ids: (1, L). Returns ((1, L + new) tokens, stats)."""
+    """input_ids: (1, L). Returns ((1, L + new) tokens, stats). `cache`: an empty cache to fill (default: new)."""
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
-    cache = new_cache(target.model)
+    cache = new_cache(target.model) if cache is None else cache
     sequence = torch.empty(prompt_len + max_new_tokens + buffers.size, dtype=torch.long, device=input_ids.device)
     sequence[:prompt_len] = input_ids[0]
     if streamer is not None:
@@ -114,12 +115,13 @@ def decode(
         # 3. accept: longest path the target agrees with, plus the target's own next token
         t2 = clock()
         nodes, bonus = rule.accept(tree, out.logits, buffers)
-        # 4. commit: cache keeps root + accepted nodes; the bonus becomes the next root
+        # 4. commit: emit up to EOS or the budget; the cache keeps root + emitted nodes; the bonus is the next root
         t3 = clock()
+        chunk = _emit(state, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos)
+        nodes = nodes[: len(chunk) + 1]
         keep_accepted(cache, state.past, nodes)
         state.past += nodes.shape[0]
         state.hidden = out.hidden[nodes[-1]]
-        chunk = _emit(state, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos)
         stats.tokens_per_step.append(len(chunk))
         t4 = clock()
         for key, dt in zip(("propose", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):

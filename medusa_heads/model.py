@@ -103,6 +103,8 @@ class MedusaModel(nn.Module):
     def set_tree(self, tree: str | Sequence[Sequence[int]] | TreeSpec) -> None:
         spec = load_tree(tree)
         spec.check_heads(self.config.num_heads)
+        if spec.topk > self.config.draft_vocab_size:
+            raise ValueError(f"the tree reads rank {spec.topk - 1} but the heads score only {self.config.draft_vocab_size} tokens")
         self.tree = spec
         self.buffers = build_buffers(spec).to(self.base_model.device)
 
@@ -112,7 +114,12 @@ class MedusaModel(nn.Module):
         unused = gc.update(**kwargs)
         if unused:
             raise TypeError(f"generate() got arguments it does not support: {', '.join(sorted(unused))}")
-        default = GenerationConfig().to_dict()
+        # Fields still unset take transformers' own global defaults (max_length=20, top_k=50, ...), as in its generate.
+        defaults = GenerationConfig._get_default_generation_params()
+        for key, value in defaults.items():
+            if getattr(gc, key, None) is None:
+                setattr(gc, key, value)
+        default = {**GenerationConfig().to_dict(), **defaults}
         for key, value in gc.to_dict().items():
             if key in _SUPPORTED or key in _IGNORED or key not in default:
                 continue

@@ -1,0 +1,52 @@
+"""The cache keeps exactly the accepted path; stats add up."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_heads import MedusaModel
+from medusa_heads.inference.accept import TargetChoice
+from medusa_heads.inference.cache import new_cache
+from medusa_heads.inference.decode import decode
+from medusa_heads.inference.propose import HeadsDrafter
+
+from conftest import randomize_heads, tiny_model
+from test_greedy import OracleDrafter
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("budget", [1, 5, 23])
+@pytest.mark.parametrize("oracle", [False, True])
+def test_cache_equals_a_plain_prefill_of_the_accepted_tokens(arch, budget, oracle):
+    base = tiny_model(arch, seed=2)
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-16"))
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    drafter = OracleDrafter(base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False), 96) if oracle else HeadsDrafter(model.heads)
+    cache = new_cache(base)
+    seq, stats = decode(model.target, drafter, model.buffers, ids, budget, TargetChoice(), set(), cache=cache)
+    past = cache.get_seq_length()
+    # every token but the next root is cached (at EOS or the budget the last emitted token may be cached too)
+    assert past in (seq.shape[1] - 1, seq.shape[1])
+    assert all(layer.keys.shape[-2] == past for layer in cache.layers)
+    ref = new_cache(base)
+    with torch.no_grad():
+        base(seq[:, :past], cache=ref, use_cache=True)
+    for got, want in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=0)
+
+
+def test_stats_add_up():
+    base = tiny_model("llama", seed=3)
+    model = MedusaModel.from_pretrained(base, heads=None, tree="cpu-16")
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    ref = base.generate(ids, max_new_tokens=80, do_sample=False)
+    for drafter in (None, OracleDrafter(ref, 96)):
+        res = model.generate(ids, max_new_tokens=37, drafter=drafter, return_dict_in_generate=True)
+        s = res.stats
+        assert s.new_tokens == sum(s.tokens_per_step) == res.sequences.shape[1] - ids.shape[1] == 37
+        assert sum(s.accept_histogram) == s.steps == len(s.tokens_per_step)
+        assert s.mean_accepted == pytest.approx(37 / s.steps)
+        assert all(1 <= n <= model.tree.depth + 1 for n in s.tokens_per_step)
+        assert set(s.seconds) == {"prefill", "propose", "verify", "accept", "commit"}
+    assert s.accept_histogram[-1] > 0 and s.mean_accepted > 3  # the oracle run

@@ -1,0 +1,133 @@
+"""Heads: own parameters, zero init, draft vocabulary; checkpoints round-trip bit for bit; bad input is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from medusa_heads import MedusaConfig, MedusaHeads, MedusaModel
+from medusa_heads.checkpoint import load_heads, save_heads
+
+from conftest import randomize_heads, tiny_model
+
+
+def make_heads(**kw) -> MedusaHeads:
+    cfg = MedusaConfig(num_heads=3, num_layers=2, hidden_size=8, vocab_size=20, **kw)
+    return MedusaHeads(cfg, torch.randn(20, 8))
+
+
+def test_no_two_heads_or_layers_share_a_tensor():
+    heads = make_heads(own_lm_head=True)
+    ptrs = [p.data_ptr() for p in heads.parameters()]
+    assert len(ptrs) == len(set(ptrs)) == 3 * 2 * 2 + 3  # (weight, bias) per block, plus 3 own LM heads
+
+
+def test_new_heads_start_as_the_base_lm_head():
+    w = torch.randn(20, 8)
+    heads = MedusaHeads(MedusaConfig(num_heads=2, hidden_size=8, vocab_size=20), w)
+    h = torch.randn(5, 8)
+    logits = heads(h)  # (K, 5, V)
+    assert logits.shape == (2, 5, 20)
+    want = (h + torch.nn.functional.silu(heads.blocks[0][0].linear.bias)) @ w.T
+    torch.testing.assert_close(logits[0], want)
+    assert heads.shared_weight.data_ptr() == w.data_ptr()  # referenced, not copied
+
+
+def test_draft_vocabulary_maps_back_to_token_ids():
+    w = torch.randn(20, 8)
+    vocab = [3, 7, 11, 19]
+    heads = MedusaHeads(MedusaConfig(num_heads=2, hidden_size=8, vocab_size=20, draft_vocab=vocab), w)
+    h = torch.randn(8)
+    top = heads.topk(h, 2)
+    full = (h + torch.nn.functional.silu(heads.blocks[0][0].linear.bias)) @ w.T
+    best = torch.tensor(vocab)[full[vocab].topk(2).indices]
+    assert torch.equal(top[0], best)
+    assert set(top.flatten().tolist()) <= set(vocab)
+
+
+def test_bad_configs_name_the_problem():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        MedusaConfig(hidden_size=8, vocab_size=20, draft_vocab=[1, 20])
+    with pytest.raises(ValueError, match="num_heads"):
+        MedusaConfig(num_heads=0, hidden_size=8, vocab_size=20)
+    with pytest.raises(ValueError, match="newer"):
+        MedusaConfig(hidden_size=8, vocab_size=20, format_version=99)
+    with pytest.raises(ValueError, match="unknown keys in heads config: medusa_x"):
+        MedusaConfig.from_dict({"hidden_size": 8, "vocab_size": 20, "medusa_x": 1})
+    with pytest.raises(ValueError, match=r"LM-head weight has shape \(20, 9\)"):
+        MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=20), torch.randn(20, 9))
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_checkpoint_round_trips_bit_for_bit(tmp_path, own):
+    w = torch.randn(20, 8)
+    heads = make_heads(own_lm_head=own, draft_vocab=[0, 5, 9])
+    for p in heads.parameters():
+        p.data.normal_()
+    save_heads(tmp_path, heads)
+    back = load_heads(tmp_path, w)
+    assert back.config == heads.config
+    a, b = heads.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_errors_name_keys_and_shapes(tmp_path):
+    w = torch.randn(20, 8)
+    save_heads(tmp_path, make_heads())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["num_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"missing keys \['blocks.0.2.linear.bias'"):
+        load_heads(tmp_path, w)
+    cfg["num_layers"], cfg["hidden_size"], cfg["vocab_size"] = 2, 4, 40
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"blocks.0.0.linear.bias has shape \(8,\), the config implies \(4,\)"):
+        load_heads(tmp_path, torch.randn(40, 4))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_heads(tmp_path / "nope", w)
+
+
+def test_model_save_and_load(tmp_path):
+    base = tiny_model("llama")
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, num_heads=3, tree="cpu-8"))
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "heads.safetensors"]
+    again = MedusaModel.from_pretrained(base, heads=tmp_path)
+    assert again.tree == model.tree
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(again.heads(torch.ones(32)), model.heads(torch.ones(32)))
+    assert torch.equal(again.generate(ids, max_new_tokens=12), model.generate(ids, max_new_tokens=12))
+
+    other = tiny_model("llama", seed=9)
+    with pytest.raises(ValueError, match="trained for another base model"):
+        MedusaModel.from_pretrained(other, heads=tmp_path)
+    MedusaModel.from_pretrained(other, heads=tmp_path, allow_base_mismatch=True)
+    with pytest.raises(ValueError, match=r"heads expect vocab_size=96, hidden_size=32, but the base model's LM head is \(50, 32\)"):
+        MedusaModel.from_pretrained(tiny_model("llama", vocab_size=50), heads=tmp_path)
+    with pytest.raises(ValueError, match=r"heads expect vocab_size=96, hidden_size=32, but the base model's LM head is \(96, 16\)"):
+        MedusaModel.from_pretrained(tiny_model("llama", hidden_size=16), heads=tmp_path)
+
+
+def test_bad_generate_input():
+    base = tiny_model("llama")
+    model = MedusaModel.from_pretrained(base, heads=None, num_heads=2, tree=[[0], [0, 0]])
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="empty"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"\(batch, length\)"):
+        model.generate(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="num_beams"):
+        model.generate(ids, num_beams=4)
+    with pytest.raises(TypeError, match="frobnicate"):
+        model.generate(ids, frobnicate=True)
+    with pytest.raises(ValueError, match="acceptance"):
+        model.generate(ids, acceptance="fast")
+    with pytest.raises(ValueError, match="do_sample=True"):
+        model.generate(ids, acceptance="typical")
+    with pytest.raises(ValueError, match=r"\[0, 0, 0\] has depth 3 but there are only 2 heads"):
+        model.set_tree([[0], [0, 0], [0, 0, 0]])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        MedusaModel.from_pretrained(base, heads="/nonexistent/heads")

@@ -1,0 +1,96 @@
+"""Sampling is exact: the joint law of the first tokens equals the target's, by a chi-square test with power."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from medusa_heads import MedusaModel
+from medusa_heads.inference.sampling import build_warpers
+from transformers import GenerationConfig
+
+from conftest import randomize_heads, tiny_model
+
+VOCAB, NEW, DRAWS = 6, 3, 6000
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+SETTINGS = dict(do_sample=True, temperature=0.7, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    base = tiny_model("llama", seed=5, vocab_size=VOCAB, initializer_range=0.6)
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, num_heads=3, tree=TREE), std=1.0)
+    ids = torch.tensor([[1, 4, 2]])
+    return base, model, ids
+
+
+def exact_joint(base, ids, **settings) -> dict[tuple[int, ...], float]:
+    """Enumerate P(first NEW tokens) from the target with transformers' own warpers."""
+    warpers = build_warpers(GenerationConfig(**{**GenerationConfig._get_default_generation_params(), **settings}))
+    law = {}
+    for seq in itertools.product(range(VOCAB), repeat=NEW):
+        p = 1.0
+        for i in range(NEW):
+            x = torch.cat([ids, torch.tensor([seq[:i]], dtype=torch.long)], dim=1)
+            with torch.no_grad():
+                logits = base(x).logits[:, -1]
+            p *= float(torch.softmax(warpers(x, logits), -1)[0, seq[i]])
+        law[seq] = p
+    return law
+
+
+def draws(model, ids, n, **kwargs) -> dict[tuple[int, ...], int]:
+    g = torch.Generator().manual_seed(1234)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for _ in range(n):
+        res = model.generate(ids, max_new_tokens=NEW, generator=g, return_dict_in_generate=True, **kwargs)
+        key = tuple(res.sequences[0, ids.shape[1]:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        accepted += res.stats.steps < NEW
+    assert accepted > n // 10, "the test must exercise acceptance of drafted tokens"
+    return counts
+
+
+def p_value(law, counts) -> float:
+    n = sum(counts.values())
+    keys = sorted(law, key=law.get, reverse=True)
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for k in keys:
+        if law[k] * n >= 5:
+            obs.append(counts.get(k, 0))
+            exp.append(law[k] * n)
+        else:
+            pool_o += counts.get(k, 0)
+            pool_e += law[k] * n
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    elif pool_o > 0:
+        return 0.0  # a sequence the target can never produce
+    assert sum(counts.get(k, 0) for k in law) == n
+    total = sum(exp)  # the enumerated law sums to 1 up to float error
+    return float(chisquare(obs, [e * n / total for e in exp]).pvalue)
+
+
+@pytest.fixture(scope="module")
+def law(setup):
+    base, _, ids = setup
+    return exact_joint(base, ids, **SETTINGS)
+
+
+def test_exact_sampling_matches_the_target(setup, law):
+    _, model, ids = setup
+    assert p_value(law, draws(model, ids, DRAWS, **SETTINGS)) > 1e-3
+
+
+def test_the_test_rejects_a_slightly_wrong_temperature(setup, law):
+    _, model, ids = setup
+    assert p_value(law, draws(model, ids, DRAWS // 3, **{**SETTINGS, "temperature": 0.8})) < 1e-3
+
+
+def test_the_test_rejects_typical_acceptance(setup, law):
+    _, model, ids = setup
+    assert p_value(law, draws(model, ids, DRAWS // 3, acceptance="typical", **SETTINGS)) < 1e-3
