@@ -10,9 +10,9 @@ def _load_base(name: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .models import DEFAULT_MODEL, default_model_path
+    from .models import resolve_model
 
-    path = default_model_path() if name == DEFAULT_MODEL else name
+    path = resolve_model(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
@@ -99,8 +99,25 @@ def cmd_distill(args: argparse.Namespace) -> None:
     base, tok = _load_base(args.model)
     medusa = MedusaModel.from_pretrained(base, heads=args.heads) if args.heads else None
     counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                     temperature=args.temperature, medusa=medusa, seed=args.seed)
+                     temperature=args.temperature, medusa=medusa, seed=args.seed, features=args.features)
     print(f"distill: {counts}", file=sys.stderr)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    import torch
+
+    from .training.recipe import TrainRecipe
+    from .training.trainer import train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = list(args.set)
+    for key in ("data", "out", "features", "max_steps"):
+        if getattr(args, key) is not None:
+            overrides.append(f"{key}={getattr(args, key)}")
+    recipe = TrainRecipe.load(args.config, overrides)
+    out = train(recipe, resume=args.resume)
+    print(f"heads written to {out}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,7 +155,19 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--heads", default=None, help="draft with these heads (MedusaModel, one prompt at a time)")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--features", default=None, help="also keep the target's hidden states here (safetensors shards)")
     s.set_defaults(fn=cmd_distill)
+
+    t = sub.add_parser("train", help="train heads on distilled data (a YAML recipe; --resume continues)")
+    t.add_argument("--config", default=None, help="recipe YAML (configs/train/...)")
+    t.add_argument("--data", default=None)
+    t.add_argument("--features", default=None)
+    t.add_argument("--out", default=None)
+    t.add_argument("--max-steps", dest="max_steps", type=int, default=None)
+    t.add_argument("--resume", action="store_true")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+    t.add_argument("--threads", type=int, default=None)
+    t.set_defaults(fn=cmd_train)
 
     args = p.parse_args(argv)
     args.fn(args)

@@ -9,12 +9,13 @@ from .config import MedusaConfig
 
 
 class ResBlock(nn.Module):
-    """x + SiLU(W x + b), with W zero-initialised so that a new head starts as the base LM head."""
+    """x + SiLU(W x + b), with W and b zero-initialised: a new head is the identity, so it starts as the base LM head."""
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.silu(self.linear(x))

@@ -67,3 +67,8 @@ def default_heads_path() -> Path:
     if not (path / "heads.safetensors").is_file():
         raise FileNotFoundError(f"no default heads are shipped at {path}; train them with `medusa-heads train`")
     return path
+
+
+def resolve_model(name: str) -> str | Path:
+    """The default model's name -> its local directory; anything else (a directory or hub id) unchanged."""
+    return default_model_path() if name == DEFAULT_MODEL else name

@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from .data import PromptRow, append_conversations, batches, read_conversations
+from .features import LMHeadTap, Segment, next_shard_path, write_shard
 
 
 @torch.no_grad()
@@ -24,10 +25,13 @@ def distill(
     max_prompt_tokens: int = 1024,
     medusa=None,
     seed: int = 0,
+    features: str | os.PathLike | None = None,
 ) -> dict:
     """Answer every row not yet in `out` and append one conversation per row. Rows are batched with left padding
     (by length, to waste little); with `medusa` (a MedusaModel) rows are drafted one by one with its heads.
-    Returns counts: done before, written now, skipped (prompt too long)."""
+    With `features` (a folder), the LM head's inputs at every answer token are kept as training features, taken
+    from the generation itself (no second pass over the data). Returns counts: done before, written now,
+    skipped (prompt too long)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_conversations(out, repair=True)}
@@ -42,8 +46,10 @@ def distill(
     window = 16 * batch_size
     todo = [r for i in range(0, len(todo), window) for r in sorted(todo[i : i + window], key=lambda r: len(r.turns[0]))]
     bar = tqdm(total=len(todo), desc="distill", unit="prompt")
+    eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
     for group in batches(todo, 1 if medusa is not None else batch_size):
         convs = [[] for _ in group]
+        segments: list[Segment] = []
         alive = list(range(len(group)))
         for turn in range(max(len(r.turns) for r in group)):
             alive = [i for i in alive if turn < len(group[i].turns)]
@@ -62,21 +68,32 @@ def distill(
                 texts = [tokenizer.apply_chat_template(convs[i], tokenize=False, add_generation_prompt=True) for i in alive]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             torch.manual_seed(seed + zlib.crc32(group[alive[0]].id.encode()))  # same draws on a rerun
-            if medusa is not None:
-                gen = medusa.generate(enc["input_ids"], max_new_tokens=max_new_tokens, **sample)
-            else:
-                gen = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sample)
+            with LMHeadTap(model) as tap:
+                if medusa is not None:
+                    gen = medusa.generate(enc["input_ids"], max_new_tokens=max_new_tokens, **sample)
+                else:
+                    gen = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sample)
             new = gen[:, enc["input_ids"].shape[1] :]
             for j, i in enumerate(alive):
-                answer = tokenizer.decode(new[j], skip_special_tokens=True)
-                convs[i].append({"role": "assistant", "content": answer})
+                row = new[j].tolist()
+                n = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))  # through the first EOS
+                answer = tokenizer.decode(row[:n], skip_special_tokens=True)
+                convs[i].append({"role": "assistant", "content": answer, "finished": n < len(row) or row[-1] in eos})
+                if features is not None and medusa is None:
+                    segments.append(Segment(f"{group[i].id}#{turn}", tap.hidden()[j, :n], new[j, :n]))
         written = [
             {"id": r.id, "source": r.source, "messages": c}
             for r, c in zip(group, convs)
             if c and c[-1]["role"] == "assistant"
         ]
+        if features is not None:
+            write_shard(next_shard_path(features), segments)  # before the rows: a crash in between only repeats
         append_conversations(out, written)
         counts["written"] += len(written)
         bar.update(len(group))
     bar.close()
     return counts
+
+
+def _as_list(x) -> list[int]:
+    return [] if x is None else [x] if isinstance(x, int) else list(x)

@@ -1,0 +1,133 @@
+"""Training: loss falls, resume equals an uninterrupted run, distill resumes without loss or duplicates."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from medusa_heads import MedusaModel
+from medusa_heads.training import trainer as trainer_mod
+from medusa_heads.training.data import append_conversations, read_conversations, read_prompts
+from medusa_heads.training.features import LMHeadTap, Segment, next_shard_path, write_shard
+from medusa_heads.training.recipe import TrainRecipe
+from medusa_heads.training.trainer import train
+
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A tiny base saved as an HF directory, 24 greedy 'answers' it wrote itself, and their features."""
+    root = tmp_path_factory.mktemp("tiny")
+    base = tiny_model("llama", seed=7)
+    base.save_pretrained(root / "base")
+    convs, segments = [], []
+    for i in range(24):
+        ids = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(i))
+        with LMHeadTap(base) as tap:
+            out = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        new = out[0, 4:]
+        segments.append(Segment(f"c{i}#0", tap.hidden()[0], new))
+        convs.append({"id": f"c{i}", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]})
+    write_shard(next_shard_path(root / "features"), segments[:12])
+    write_shard(next_shard_path(root / "features"), segments[12:])
+    append_conversations(root / "data.jsonl", convs)
+    return root
+
+
+def recipe(root, out, **kw) -> TrainRecipe:
+    base = dict(model=str(root / "base"), data=str(root / "data.jsonl"), features=str(root / "features"), out=str(out),
+                num_heads=3, draft_vocab_size=64, max_steps=30, batch_size=64, warmup_steps=3, lr=3e-3,
+                eval_every=10, save_every=5, eval_fraction=0.2, tree="chain-4")
+    return TrainRecipe(**{**base, **kw})
+
+
+def test_tapped_hidden_states_reproduce_the_greedy_tokens(tiny_data):
+    base = tiny_model("llama", seed=7)
+    seg = next(s for s in trainer_mod.load_segments(tiny_data / "features"))
+    logits = seg.hidden.float() @ base.lm_head.weight.T
+    assert torch.equal(logits.argmax(-1), seg.tokens)
+
+
+def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_data, tmp_path):
+    out = train(recipe(tiny_data, tmp_path / "heads", num_heads=2, tree="cpu-8", max_steps=60, lr=1e-2))
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    trains = [r for r in log if r["kind"] == "train"]
+    assert log[0]["kind"] == "data" and 0 < log[0]["coverage_eval"] <= 1
+    assert trains[-1]["loss"] < trains[0]["loss"] * 0.9  # held-out loss barely moves on 19 random-model answers
+    assert {"top1_1", "top5_2", "ce_2"} <= set(next(r for r in log if r["kind"] == "eval"))
+    assert (out / "train_plot.png").stat().st_size > 1000
+    base = tiny_model("llama", seed=7)
+    model = MedusaModel.from_pretrained(base, heads=out)
+    ids = torch.tensor([[5, 6, 7]])
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=30), ref)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path, monkeypatch):
+    full = train(recipe(tiny_data, tmp_path / "full"))
+    real_save = trainer_mod.save_checkpoint
+    calls = {"n": 0}
+
+    def crash_after_second_checkpoint(*args, **kwargs):
+        real_save(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # killed between checkpoints
+
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", crash_after_second_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe(tiny_data, tmp_path / "cut"))
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
+    with pytest.raises(ValueError, match="--resume"):
+        train(recipe(tiny_data, tmp_path / "cut"))
+    cut = train(recipe(tiny_data, tmp_path / "cut"), resume=True)
+    a, b = load_file(full / "heads.safetensors"), load_file(cut / "heads.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unwritable_output_is_refused_before_work(tiny_data, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="not writable"):
+        train(recipe(tiny_data, blocker / "heads"))
+
+
+def test_recipe_keys_and_overrides(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("max_steps: 10\nlr: 1\n")
+    r = TrainRecipe.load(path, ["batch_size=8", "tree=chain-4"])
+    assert (r.max_steps, r.lr, r.batch_size, r.tree) == (10, 1.0, 8, "chain-4")
+    with pytest.raises(ValueError, match="unknown recipe keys: bogus"):
+        TrainRecipe.load(path, ["bogus=1"])
+    with pytest.raises(ValueError, match="max_steps must be int"):
+        TrainRecipe.load(path, ["max_steps=ten"])
+
+
+def test_prompt_file_errors_name_the_line(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: not valid JSON"):
+        read_prompts(p)
+    p.write_text('{"prompt": "a"}\n\n{"turns": []}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:3: \"turns\" must be a non-empty list"):
+        read_prompts(p)
+    p.write_text('{"prompt": "  "}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:1: empty prompt"):
+        read_prompts(p)
+    p.write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match=r'p.jsonl:1: a row needs exactly one of "prompt" or "turns"'):
+        read_prompts(p)
+
+
+def test_a_truncated_last_line_is_repaired_not_lost(tmp_path):
+    p = tmp_path / "d.jsonl"
+    append_conversations(p, [{"id": "a", "messages": []}, {"id": "b", "messages": []}])
+    with p.open("a") as f:
+        f.write('{"id": "c", "mess')  # a writer killed mid-line
+    with pytest.raises(ValueError, match="truncated"):
+        read_conversations(p)
+    assert [r["id"] for r in read_conversations(p, repair=True)] == ["a", "b"]
+    assert p.read_text().endswith("\n")

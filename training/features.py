@@ -1,0 +1,81 @@
+"""Features: the frozen target's LM-head inputs at response positions, with the tokens it chose there.
+
+A segment is one assistant answer: hidden (n, H) and tokens (n,), where hidden[i] is the LM head's input that
+produced tokens[i]; Medusa head k learns tokens[i + k] from hidden[i]. Shards are safetensors files written
+atomically: hidden (N, H) bf16, tokens (N,) int32, offsets (S + 1,) int64, and the segment ids in the metadata."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+@dataclass
+class Segment:
+    id: str
+    hidden: torch.Tensor  # (n, H)
+    tokens: torch.Tensor  # (n,)
+
+
+def write_shard(path: Path, segments: list[Segment]) -> None:
+    if not segments:
+        return
+    hidden = torch.cat([s.hidden for s in segments]).to(torch.bfloat16).contiguous()
+    tokens = torch.cat([s.tokens for s in segments]).to(torch.int32)
+    offsets = torch.tensor([0] + [len(s.tokens) for s in segments]).cumsum(0)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"hidden": hidden, "tokens": tokens, "offsets": offsets}, tmp, metadata={"ids": json.dumps([s.id for s in segments])})
+    os.replace(tmp, path)
+
+
+def shard_paths(folder: str | os.PathLike) -> list[Path]:
+    return sorted(Path(folder).glob("shard-*.safetensors"))
+
+
+def next_shard_path(folder: str | os.PathLike) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    existing = shard_paths(folder)
+    n = 1 + max((int(p.stem.split("-")[1]) for p in existing), default=-1)
+    return folder / f"shard-{n:05d}.safetensors"
+
+
+def load_segments(folder: str | os.PathLike, keep_ids: set[str] | None = None) -> list[Segment]:
+    """All segments, each id once (a shard written just before a crash may repeat rows redone later)."""
+    out, seen = [], set()
+    for path in shard_paths(folder):
+        with safe_open(path, "pt") as f:
+            ids = json.loads(f.metadata()["ids"])
+            hidden, tokens, offsets = f.get_tensor("hidden"), f.get_tensor("tokens"), f.get_tensor("offsets")
+        for i, sid in enumerate(ids):
+            conv_id = sid.rsplit("#", 1)[0]
+            if sid in seen or (keep_ids is not None and conv_id not in keep_ids):
+                continue
+            seen.add(sid)
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            out.append(Segment(sid, hidden[a:b], tokens[a:b].long()))
+    return out
+
+
+class LMHeadTap:
+    """Context manager: records the LM head's input at the last position of every forward call."""
+
+    def __init__(self, model) -> None:
+        self.lm_head = model.get_output_embeddings()
+        self.steps: list[torch.Tensor] = []
+
+    def __enter__(self) -> "LMHeadTap":
+        self.handle = self.lm_head.register_forward_pre_hook(lambda m, args: self.steps.append(args[0][:, -1].to(torch.bfloat16)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def hidden(self) -> torch.Tensor:
+        """(B, steps, H)."""
+        return torch.stack(self.steps, dim=1)

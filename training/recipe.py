@@ -1,0 +1,70 @@
+"""Training recipes: YAML files under configs/train/, parsed into a dataclass; `--set key=value` overrides."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class TrainRecipe:
+    model: str = "smollm2-135m-instruct"  # base model: the default's name, a local HF directory or a hub id
+    data: str = "data/distilled.jsonl"  # distilled conversations (JSONL from `medusa-heads distill`)
+    features: str = "data/features"  # hidden-state shards written by `distill --features`
+    out: str = "runs/heads"  # heads directory to write (loadable with MedusaModel.from_pretrained(base, heads=out))
+    num_heads: int = 4  # K
+    num_layers: int = 1  # residual blocks per head
+    draft_vocab_size: int = 4096  # most frequent answer tokens the heads may propose; 0 = the whole vocabulary
+    decay: float = 0.8  # loss weight of head k is decay ** (k - 1)
+    lr: float = 1e-3  # AdamW peak learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 50  # linear warm-up, then cosine decay to 0 at max_steps
+    max_steps: int = 1000  # optimizer steps
+    batch_size: int = 2048  # answer positions per process per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    eval_fraction: float = 0.05  # share of conversations held out (chosen by a hash of their id)
+    eval_every: int = 100  # steps between evaluations (and log lines)
+    save_every: int = 100  # steps between checkpoints (atomic; --resume continues from the last)
+    mixed_precision: str = "no"  # "no" (fp32) or "bf16", through accelerate
+    seed: int = 0  # data order
+    tree: str = "cpu-16"  # tree preset written into the heads' config (calibrate can replace it)
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
+        for name in ("num_heads", "max_steps", "batch_size", "grad_accum", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: list[str] = ()) -> "TrainRecipe":
+        values = {}
+        if path is not None:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: a recipe is a mapping of keys to values")
+            values.update(loaded)
+        types = {f.name: f.type for f in fields(cls)}
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ValueError(f"--set expects key=value, got {item!r}")
+            values[key] = yaml.safe_load(raw)
+        unknown = sorted(set(values) - set(types))
+        if unknown:
+            raise ValueError(f"unknown recipe keys: {', '.join(unknown)} (known: {', '.join(types)})")
+        for key, value in values.items():
+            want = {"int": int, "float": float, "str": str}[types[key]]
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise ValueError(f"recipe key {key} must be {types[key]}, got {value!r}")
+            values[key] = value
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
