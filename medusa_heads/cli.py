@@ -120,6 +120,83 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(f"heads written to {out}", file=sys.stderr)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    """Choose the tree that maximises predicted tokens/s on this machine; write it into the heads' config."""
+    import torch
+
+    from .checkpoint import load_config
+    from .model import MedusaModel
+    from .training.data import read_conversations
+    from .training.features import load_segments
+    from .training.trainer import is_eval
+    from .tuning import choose_tree, correct_ranks, heads_latency, verify_latency
+    from .tree.calibrate import rank_paths
+
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    config = load_config(args.heads)
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=dtype, device_map=args.device)
+    fraction = config.extra.get("recipe", {}).get("eval_fraction", 0.05)
+    ids = {c["id"] for c in read_conversations(args.data)}
+    held_out = [s for s in load_segments(args.features, keep_ids=ids) if is_eval(s.id.rsplit("#", 1)[0], fraction)]
+    if not held_out:
+        raise SystemExit(f"no held-out features found in {args.features} for {args.data}")
+    ranks = correct_ranks(model.heads, held_out, topk=args.topk)
+    paths = rank_paths(ranks)
+    latency = verify_latency(model.target, list(range(1, args.max_nodes + 2)), context=args.context)
+    spec_topk = args.topk
+    t_heads = heads_latency(model.heads, spec_topk)
+    t_overhead = args.overhead_ms / 1000
+    result = choose_tree(paths, latency, t_heads, t_overhead, args.max_nodes)
+    best = result["best"]
+    print(f"held-out positions: {len(ranks)}; heads {1000 * t_heads:.1f} ms; t(1) {1000 * latency[1]:.1f} ms")
+    print(f"{'nodes':>6}{'tau':>7}{'verify ms':>11}{'pred tok/s':>12}{'pred speed-up':>15}")
+    for row in result["table"]:
+        if row["nodes"] in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) or row is best:
+            print(f"{row['nodes']:>6}{row['tau']:>7.2f}{1000 * latency[row['nodes'] + 1]:>11.1f}{row['tokens_per_s']:>12.1f}{row['speedup']:>15.2f}")
+    print(f"chosen: {best['nodes']} nodes, predicted tau {best['tau']:.2f}, predicted speed-up {best['speedup']:.2f}")
+    config.tree = best["paths"]
+    config.extra["calibration"] = {
+        "nodes": best["nodes"], "predicted_tau": best["tau"], "predicted_speedup": best["speedup"],
+        "dtype": args.dtype, "device": str(model.base_model.device), "threads": args.threads,
+        "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * t_heads,
+        "overhead_ms": args.overhead_ms, "held_out_positions": len(ranks),
+    }
+    from .checkpoint import CONFIG_NAME, _atomic_write
+    from pathlib import Path
+
+    _atomic_write(Path(args.heads) / CONFIG_NAME, config.save)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import torch
+
+    from .bench import run_bench, write_results
+    from .model import MedusaModel
+    from .training.data import read_prompts
+
+    torch.set_num_threads(args.threads)
+    base, tok = _load_base(args.model)
+    model = MedusaModel.from_pretrained(base, heads=args.heads or ("auto" if args.model == "smollm2-135m-instruct" else None))
+    rows = read_prompts(args.prompts)[: args.limit]
+    methods = args.methods.split(",")
+    if "hf" not in methods:
+        methods = ["hf", *methods]
+    sampling = dict(temperature=args.temperature, top_p=args.top_p) if args.do_sample else None
+    if sampling is not None:
+        torch.manual_seed(0)
+    result = run_bench(model, tok, rows, methods, args.max_new_tokens, sampling, preset=args.preset)
+    cal = model.config.extra.get("calibration")
+    if cal:
+        result["predicted"] = {"tau": cal["predicted_tau"], "speedup": cal["predicted_speedup"]}
+    write_results(result, args.out, methods)
+    print((__import__("pathlib").Path(args.out) / "results.md").read_text())
+    if cal:
+        m = result["overall"]["medusa"]
+        print(f"calibrated tree: predicted tau {cal['predicted_tau']:.2f} / speed-up {cal['predicted_speedup']:.2f}; "
+              f"measured tau {m['mean_accepted']:.2f} / speed-up {m['speedup_vs_hf']:.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="medusa-heads", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -168,6 +245,35 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     t.add_argument("--threads", type=int, default=None)
     t.set_defaults(fn=cmd_train)
+
+    c = sub.add_parser("calibrate", help="choose the fastest tree for these heads on this machine")
+    c.add_argument("--heads", required=True)
+    c.add_argument("--model", default="smollm2-135m-instruct")
+    c.add_argument("--data", default="data/distilled.jsonl")
+    c.add_argument("--features", default="data/features")
+    c.add_argument("--max-nodes", type=int, default=64)
+    c.add_argument("--topk", type=int, default=10)
+    c.add_argument("--context", type=int, default=300, help="cached tokens when timing the verify pass")
+    c.add_argument("--overhead-ms", type=float, default=3.0, help="per-step Python work besides heads and verify")
+    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    c.add_argument("--device", default=None)
+    c.add_argument("--threads", type=int, default=2)
+    c.set_defaults(fn=cmd_calibrate)
+
+    b = sub.add_parser("bench", help="hf vs prompt lookup vs medusa, same process, alternating order")
+    b.add_argument("--prompts", required=True)
+    b.add_argument("--model", default="smollm2-135m-instruct")
+    b.add_argument("--heads", default=None)
+    b.add_argument("--methods", default="hf,pld,medusa,medusa-preset")
+    b.add_argument("--preset", default="cpu-16")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--do-sample", action="store_true")
+    b.add_argument("--temperature", type=float, default=0.7)
+    b.add_argument("--top-p", type=float, default=0.9)
+    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--out", default="results")
+    b.set_defaults(fn=cmd_bench)
 
     args = p.parse_args(argv)
     args.fn(args)

@@ -131,3 +131,53 @@ def test_a_truncated_last_line_is_repaired_not_lost(tmp_path):
         read_conversations(p)
     assert [r["id"] for r in read_conversations(p, repair=True)] == ["a", "b"]
     assert p.read_text().endswith("\n")
+
+
+def test_distill_resumes_after_a_crash_without_loss_or_duplicates(tmp_path, monkeypatch, real_base):
+    from medusa_heads.training import distill as distill_mod
+    from medusa_heads.training.features import load_segments
+
+    _, tok = real_base
+    base = tiny_model("llama", seed=1, vocab_size=len(tok))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?" + " more" * i}) + "\n" for i in range(10)))
+    rows = read_prompts(prompts)
+    out, feats = tmp_path / "d.jsonl", tmp_path / "features"
+    real_append = distill_mod.append_conversations
+    calls = {"n": 0}
+
+    def crash_on_third_batch(path, written):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            with open(path, "a") as f:
+                f.write(json.dumps(written[0])[:25])  # killed in the middle of a line
+            raise KeyboardInterrupt
+        real_append(path, written)
+
+    monkeypatch.setattr(distill_mod, "append_conversations", crash_on_third_batch)
+    with pytest.raises(KeyboardInterrupt):
+        distill_mod.distill(base, tok, rows, out, max_new_tokens=6, batch_size=3, features=feats)
+    monkeypatch.setattr(distill_mod, "append_conversations", real_append)
+    counts = distill_mod.distill(base, tok, rows, out, max_new_tokens=6, batch_size=3, features=feats)
+    assert counts["done_before"] == 6 and counts["written"] == 4
+    ids = [r["id"] for r in read_conversations(out)]
+    assert sorted(ids) == sorted(r.id for r in rows)  # nothing lost, nothing twice
+    segs = load_segments(feats, keep_ids=set(ids))
+    assert sorted(s.id for s in segs) == sorted(f"{r.id}#0" for r in rows)
+    assert all(s.hidden.shape == (s.tokens.shape[0], 32) and 1 <= s.tokens.shape[0] <= 6 for s in segs)
+
+
+def test_training_on_two_processes_through_accelerate(tiny_data, tmp_path):
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "r.yaml"
+    import yaml
+
+    cfg.write_text(yaml.safe_dump(recipe(tiny_data, tmp_path / "ddp", max_steps=6, save_every=3, eval_every=3).to_dict()))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "medusa_heads.cli", "train", "--config", str(cfg)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "ddp" / "heads.safetensors").is_file()
+    assert "step 6" in proc.stdout + proc.stderr
