@@ -88,8 +88,9 @@ def decode(
     """input_ids: (1, L). Returns ((1, L + new) tokens, stats). `cache`: an empty cache to fill (default: new)."""
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
-    cache = new_cache(target.model) if cache is None else cache
-    sequence = torch.empty(prompt_len + max_new_tokens + buffers.size, dtype=torch.long, device=input_ids.device)
+    capacity = prompt_len + max_new_tokens + buffers.size
+    cache = new_cache(target.model, capacity) if cache is None else cache
+    sequence = torch.empty(capacity, dtype=torch.long, device=input_ids.device)
     sequence[:prompt_len] = input_ids[0]
     if streamer is not None:
         streamer.put(input_ids.cpu())

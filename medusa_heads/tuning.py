@@ -6,7 +6,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from .inference.cache import new_cache
+from .inference.cache import crop_to, new_cache
 from .tree.buffers import build_buffers
 from .tree.calibrate import best_tree, rank_paths, tree_value
 from .tree.spec import TreeSpec
@@ -57,7 +57,7 @@ def verify_latency(target, sizes: list[int], context: int = 300, repeats: int = 
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            cache.crop(context)
+            crop_to(cache, context)
             if rep > 0:  # the first round warms up
                 times[n].append(dt)
     return {n: sorted(v)[len(v) // 2] for n, v in times.items()}

@@ -17,12 +17,13 @@ from test_greedy import OracleDrafter
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 @pytest.mark.parametrize("budget", [1, 5, 23])
 @pytest.mark.parametrize("oracle", [False, True])
-def test_cache_equals_a_plain_prefill_of_the_accepted_tokens(arch, budget, oracle):
+@pytest.mark.parametrize("capacity", [None, 64])
+def test_cache_equals_a_plain_prefill_of_the_accepted_tokens(arch, budget, oracle, capacity):
     base = tiny_model(arch, seed=2)
     model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-16"))
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
     drafter = OracleDrafter(base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False), 96) if oracle else HeadsDrafter(model.heads)
-    cache = new_cache(base)
+    cache = new_cache(base, capacity)
     seq, stats = decode(model.target, drafter, model.buffers, ids, budget, TargetChoice(), set(), cache=cache)
     past = cache.get_seq_length()
     # every token but the next root is cached (at EOS or the budget the last emitted token may be cached too)
