@@ -103,6 +103,18 @@ def cmd_distill(args: argparse.Namespace) -> None:
     print(f"distill: {counts}", file=sys.stderr)
 
 
+def cmd_features(args: argparse.Namespace) -> None:
+    import torch
+
+    from .training.data import read_conversations
+    from .training.features import features_from_conversations
+
+    torch.set_num_threads(args.threads)
+    base, tok = _load_base(args.model)
+    n = features_from_conversations(base, tok, read_conversations(args.data), args.features)
+    print(f"features: added {n} conversations to {args.features}", file=sys.stderr)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     import torch
 
@@ -234,6 +246,13 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--features", default=None, help="also keep the target's hidden states here (safetensors shards)")
     s.set_defaults(fn=cmd_distill)
+
+    f = sub.add_parser("features", help="hidden-state features for distilled conversations that have none")
+    f.add_argument("--model", default="smollm2-135m-instruct")
+    f.add_argument("--data", required=True)
+    f.add_argument("--features", required=True)
+    f.add_argument("--threads", type=int, default=2)
+    f.set_defaults(fn=cmd_features)
 
     t = sub.add_parser("train", help="train heads on distilled data (a YAML recipe; --resume continues)")
     t.add_argument("--config", default=None, help="recipe YAML (configs/train/...)")

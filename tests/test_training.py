@@ -181,3 +181,22 @@ def test_training_on_two_processes_through_accelerate(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "ddp" / "heads.safetensors").is_file()
     assert "step 6" in proc.stdout + proc.stderr
+
+
+def test_features_from_conversations_match_those_tapped_during_distillation(tmp_path, real_base):
+    from medusa_heads.training import distill as distill_mod
+    from medusa_heads.training.features import features_from_conversations, load_segments
+
+    base, tok = real_base
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name two colours."}) + "\n" + json.dumps({"prompt": "Say hi."}) + "\n")
+    out = tmp_path / "d.jsonl"
+    distill_mod.distill(base, tok, read_prompts(prompts), out, max_new_tokens=12, batch_size=2, features=tmp_path / "tapped")
+    convs = read_conversations(out)
+    assert features_from_conversations(base, tok, convs, tmp_path / "forward") == 2
+    tapped = {s.id: s for s in load_segments(tmp_path / "tapped")}
+    for s in load_segments(tmp_path / "forward"):
+        t = tapped[s.id]
+        assert torch.equal(s.tokens, t.tokens)  # the answer re-tokenises to exactly the generated tokens
+        torch.testing.assert_close(s.hidden.float(), t.hidden.float(), atol=0.05, rtol=0.02)  # bf16, padded batch
+    assert features_from_conversations(base, tok, convs, tmp_path / "forward") == 0  # nothing twice

@@ -79,3 +79,40 @@ class LMHeadTap:
     def hidden(self) -> torch.Tensor:
         """(B, steps, H)."""
         return torch.stack(self.steps, dim=1)
+
+
+@torch.no_grad()
+def features_from_conversations(model, tokenizer, conversations: list[dict], folder: str | os.PathLike,
+                                max_length: int = 2048, per_shard: int = 64) -> int:
+    """Features for conversations that have none in `folder` (data distilled elsewhere, or with --heads): one
+    forward per conversation over its chat-template tokens. Returns the number of conversations added."""
+    from tqdm import tqdm
+
+    from .data import tokenize_conversation
+
+    have = {s.id.rsplit("#", 1)[0] for s in load_segments(folder)}
+    todo = [c for c in conversations if c["id"] not in have]
+    eos = tokenizer.eos_token_id
+    segments: list[Segment] = []
+    for conv in tqdm(todo, desc="features", unit="conv"):
+        ids, mask = tokenize_conversation(tokenizer, conv["messages"], max_length)
+        # the backbone's last hidden state is what every transformers causal LM feeds its LM head
+        hidden = model.base_model(ids[None].to(model.device)).last_hidden_state[0]  # (L, H): hidden[p] -> token p + 1
+        answers = [m for m in conv["messages"] if m["role"] == "assistant"]
+        starts = [p for p in range(1, len(ids)) if mask[p] and not mask[p - 1]]
+        for turn, (start, msg) in enumerate(zip(starts, answers)):
+            end = start
+            while end < len(ids) and mask[end]:
+                end += 1
+            toks = ids[start:end]
+            stop = (toks == eos).nonzero()
+            n = int(stop[0]) + 1 if len(stop) else len(toks)  # through the end-of-turn token, not past it
+            if not msg.get("finished", True) and len(stop):
+                n -= 1  # the model was cut off: it never wrote that end-of-turn token
+            if n > 0:
+                segments.append(Segment(f"{conv['id']}#{turn}", hidden[start - 1 : start - 1 + n].to(torch.bfloat16), toks[:n]))
+        if len(segments) >= per_shard:
+            write_shard(next_shard_path(folder), segments)
+            segments = []
+    write_shard(next_shard_path(folder), segments)
+    return len(todo)
