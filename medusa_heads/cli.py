@@ -5,6 +5,8 @@ import argparse
 import sys
 import time
 
+from .models import DEFAULT_MODEL
+
 
 def _load_base(name: str):
     import torch
@@ -28,7 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from .model import MedusaModel
 
     base, tok = _load_base(args.model)
-    model = MedusaModel.from_pretrained(base, heads=args.heads if args.heads else ("auto" if args.model == "smollm2-135m-instruct" else None), tree=args.tree)
+    model = MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=args.tree)
     ids = _chat_ids(tok, args.prompt)
     t = time.perf_counter()
     res = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
@@ -52,8 +54,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     base, tok = _load_base(args.model)
-    model = MedusaModel.from_pretrained(base, heads=args.heads or ("auto" if args.model == "smollm2-135m-instruct" else None), tree=args.tree)
-    print(f"heads: {'shipped/trained' if args.heads or model.config.extra else 'untrained (zero-initialised)'}; tree {len(model.tree.paths)} nodes")
+    model = MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=args.tree)
+    print(f"heads: {'trained' if model.config.extra else 'untrained (zero-initialised)'}; tree of {model.tree.num_nodes} nodes")
     ids = _chat_ids(tok, "Hi")
     base.generate(ids, max_new_tokens=4, do_sample=False), model.generate(ids, max_new_tokens=4)  # warm-up
     t_hf = t_md = 0.0
@@ -189,7 +191,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     base, tok = _load_base(args.model)
-    model = MedusaModel.from_pretrained(base, heads=args.heads or ("auto" if args.model == "smollm2-135m-instruct" else None))
+    model = MedusaModel.from_pretrained(base, heads=args.heads or "auto")
     rows = read_prompts(args.prompts)[: args.limit]
     methods = args.methods.split(",")
     if "hf" not in methods:
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
 
     g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--model", default="smollm2-135m-instruct")
+    g.add_argument("--model", default=DEFAULT_MODEL)
     g.add_argument("--heads", default=None)
     g.add_argument("--tree", default=None)
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     g.set_defaults(fn=cmd_generate)
 
     d = sub.add_parser("demo", help="plain generate vs medusa on a few prompts: tokens/s, tau, equality")
-    d.add_argument("--model", default="smollm2-135m-instruct")
+    d.add_argument("--model", default=DEFAULT_MODEL)
     d.add_argument("--heads", default=None)
     d.add_argument("--tree", default=None)
     d.add_argument("--max-new-tokens", type=int, default=128)
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     d.set_defaults(fn=cmd_demo)
 
     s = sub.add_parser("distill", help="the target answers prompts itself (resumable: rerun continues)")
-    s.add_argument("--model", default="smollm2-135m-instruct")
+    s.add_argument("--model", default=DEFAULT_MODEL)
     s.add_argument("--prompts", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--limit", type=int, default=None)
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     s.set_defaults(fn=cmd_distill)
 
     f = sub.add_parser("features", help="hidden-state features for distilled conversations that have none")
-    f.add_argument("--model", default="smollm2-135m-instruct")
+    f.add_argument("--model", default=DEFAULT_MODEL)
     f.add_argument("--data", required=True)
     f.add_argument("--features", required=True)
     f.add_argument("--threads", type=int, default=2)
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
 
     c = sub.add_parser("calibrate", help="choose the fastest tree for these heads on this machine")
     c.add_argument("--heads", required=True)
-    c.add_argument("--model", default="smollm2-135m-instruct")
+    c.add_argument("--model", default=DEFAULT_MODEL)
     c.add_argument("--data", default="data/distilled.jsonl")
     c.add_argument("--features", default="data/features")
     c.add_argument("--max-nodes", type=int, default=64)
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
 
     b = sub.add_parser("bench", help="hf vs prompt lookup vs medusa, same process, alternating order")
     b.add_argument("--prompts", required=True)
-    b.add_argument("--model", default="smollm2-135m-instruct")
+    b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--heads", default=None)
     b.add_argument("--methods", default="hf,pld,medusa,medusa-preset")
     b.add_argument("--preset", default="cpu-16")

@@ -20,7 +20,7 @@ from .inference.propose import Drafter, HeadsDrafter
 from .inference.sampling import build_warpers
 from .inference.support import check_tree_attention
 from .inference.verify import Target
-from .models import DEFAULT_MODEL, default_heads_path, default_model_path
+from .models import DEFAULT_MODEL, default_heads_path, resolve_model
 from .tree import TreeSpec, build_buffers, load_tree
 
 # GenerationConfig fields generate() honours; any other field set away from its default raises.
@@ -62,21 +62,19 @@ class MedusaModel(nn.Module):
         **base_kwargs,
     ) -> "MedusaModel":
         """base: the default model's name, a local HF directory, a hub id, or a loaded model.
-        heads: a heads directory; None for new (untrained) heads; "auto" for the shipped heads of the
-        default model and new heads otherwise. tree: preset name or rank paths (default: the heads' own)."""
-        is_default = isinstance(base, str) and base == DEFAULT_MODEL
+        heads: a heads directory; None for new (untrained) heads; "auto" for the shipped heads when their
+        base fingerprint matches this base (the default model), new heads otherwise. tree: preset name or rank paths (default: the heads' own)."""
         if not isinstance(base, PreTrainedModel):
-            path = default_model_path() if is_default else base
             base_kwargs.setdefault("dtype", torch.float32)
-            base = AutoModelForCausalLM.from_pretrained(path, **base_kwargs)
+            base = AutoModelForCausalLM.from_pretrained(resolve_model(str(base)), **base_kwargs)
         base.eval()
         base.requires_grad_(False)
         target = Target(base)
         check_tree_attention(target)
         lm_weight = target.lm_head.weight
 
-        if heads == "auto":
-            heads = _shipped_heads() if is_default else None
+        if heads == "auto":  # the shipped heads when they were trained for this very base, else new heads
+            heads = _shipped_heads_for(base)
         if heads is None:
             config = MedusaConfig(
                 num_heads=num_heads,
@@ -106,7 +104,7 @@ class MedusaModel(nn.Module):
         if spec.topk > self.config.draft_vocab_size:
             raise ValueError(f"the tree reads rank {spec.topk - 1} but the heads score only {self.config.draft_vocab_size} tokens")
         self.tree = spec
-        self.buffers = build_buffers(spec).to(self.base_model.device)
+        self.tree_buffers = build_buffers(spec).to(self.base_model.device)
 
     # ---- generation ---------------------------------------------------------------------------------------------
     def _generation_config(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
@@ -169,9 +167,11 @@ class MedusaModel(nn.Module):
         else:
             raise ValueError(f'acceptance must be "exact" or "typical", got {acceptance!r}')
 
-        ids = input_ids.to(self.base_model.device)
+        device = self.base_model.device
+        if self.tree_buffers.mask.device != device:  # the model was moved since the tree was set
+            self.tree_buffers = self.tree_buffers.to(device)
         sequences, stats = decode(
-            self.target, drafter or HeadsDrafter(self.heads), self.buffers, ids, max_new, rule, eos, streamer
+            self.target, drafter or HeadsDrafter(self.heads), self.tree_buffers, input_ids.to(device), max_new, rule, eos, streamer
         )
         if gc.return_dict_in_generate:
             return MedusaGenerateOutput(sequences, stats)
@@ -182,8 +182,13 @@ def _unset(value) -> bool:
     return value is None or value is False or value == 0 or value == {} or value == []
 
 
-def _shipped_heads() -> Path | None:
+def _shipped_heads_for(base: PreTrainedModel) -> Path | None:
     try:
-        return default_heads_path()
+        path = default_heads_path()
     except FileNotFoundError:
         return None
+    try:
+        check_fingerprint(load_config(path), base)
+    except ValueError:
+        return None
+    return path

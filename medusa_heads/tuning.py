@@ -18,7 +18,7 @@ def correct_ranks(heads, segments, topk: int = 10, chunk: int = 2048) -> list[tu
     Positions whose continuation is shorter than the heads are left out."""
     k_heads = heads.config.num_heads
     out: list[tuple[int, ...]] = []
-    dtype = next(iter(heads.buffers()), torch.zeros(())).dtype if heads.lm_heads is None else heads.lm_heads[0].weight.dtype
+    dtype = heads.shared_weight.dtype if heads.lm_heads is None else heads.lm_heads[0].weight.dtype
     for s in segments:
         n = s.tokens.shape[0] - k_heads
         if n <= 0:
