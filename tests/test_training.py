@@ -200,3 +200,10 @@ def test_features_from_conversations_match_those_tapped_during_distillation(tmp_
         assert torch.equal(s.tokens, t.tokens)  # the answer re-tokenises to exactly the generated tokens
         torch.testing.assert_close(s.hidden.float(), t.hidden.float(), atol=0.05, rtol=0.02)  # bf16, padded batch
     assert features_from_conversations(base, tok, convs, tmp_path / "forward") == 0  # nothing twice
+
+
+def test_conversations_with_unicode_line_separators_round_trip(tmp_path):
+    p = tmp_path / "d.jsonl"
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "one\u2028two\x85three"}]}, {"id": "b", "messages": []}]
+    append_conversations(p, rows)
+    assert read_conversations(p) == rows

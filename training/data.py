@@ -80,7 +80,8 @@ def read_conversations(path: str | os.PathLike, repair: bool = False) -> list[di
             raise ValueError(f"{path}: last line is truncated (an interrupted write); rerun distill to repair it")
         with path.open("r+b") as f:
             f.truncate(complete)
-    for n, line in enumerate(data[:complete].decode("utf-8").splitlines(), 1):
+    # split on "\n" only: str.splitlines() would also split inside strings holding U+2028 and friends
+    for n, line in enumerate(data[:complete].decode("utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:
