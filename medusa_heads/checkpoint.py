@@ -71,6 +71,11 @@ def save_heads(directory: str | os.PathLike, heads: MedusaHeads, config: MedusaC
     return out
 
 
+def save_config(directory: str | os.PathLike, config: MedusaConfig) -> None:
+    """Rewrite a heads directory's config.json atomically (e.g. after calibration chose its tree)."""
+    _atomic_write(Path(directory) / CONFIG_NAME, config.save)
+
+
 def load_config(directory: str | os.PathLike) -> MedusaConfig:
     d = Path(directory)
     if not d.is_dir():

@@ -138,7 +138,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     """Choose the tree that maximises predicted tokens/s on this machine; write it into the heads' config."""
     import torch
 
-    from .checkpoint import load_config
+    from .checkpoint import load_config, save_config
     from .model import MedusaModel
     from .training.data import read_conversations
     from .training.features import load_segments
@@ -176,10 +176,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * t_heads,
         "overhead_ms": args.overhead_ms, "held_out_positions": len(ranks),
     }
-    from .checkpoint import CONFIG_NAME, _atomic_write
-    from pathlib import Path
-
-    _atomic_write(Path(args.heads) / CONFIG_NAME, config.save)
+    save_config(args.heads, config)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
