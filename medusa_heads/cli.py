@@ -157,7 +157,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         raise SystemExit(f"no held-out features found in {args.features} for {args.data}")
     ranks = correct_ranks(model.heads, held_out, topk=args.topk)
     paths = rank_paths(ranks)
-    latency = verify_latency(model.target, list(range(1, args.max_nodes + 2)), context=args.context)
+    latency = verify_latency(model.target, list(range(1, args.max_nodes + 2)), context=args.context, repeats=args.repeats)
     spec_topk = args.topk
     t_heads = heads_latency(model.heads, spec_topk)
     t_overhead = args.overhead_ms / 1000
@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--max-nodes", type=int, default=64)
     c.add_argument("--topk", type=int, default=10)
     c.add_argument("--context", type=int, default=300, help="cached tokens when timing the verify pass")
+    c.add_argument("--repeats", type=int, default=5, help="timed forwards per size (the median is used)")
     c.add_argument("--overhead-ms", type=float, default=3.0, help="per-step Python work besides heads and verify")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     c.add_argument("--device", default=None)
