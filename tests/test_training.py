@@ -66,8 +66,9 @@ def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_data, tmp_path)
     assert torch.equal(model.generate(ids, max_new_tokens=30), ref)
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path, monkeypatch):
-    full = train(recipe(tiny_data, tmp_path / "full"))
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path, monkeypatch, accum):
+    full = train(recipe(tiny_data, tmp_path / "full", grad_accum=accum))
     real_save = trainer_mod.save_checkpoint
     calls = {"n": 0}
 
@@ -79,11 +80,11 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path, monkeypatc
 
     monkeypatch.setattr(trainer_mod, "save_checkpoint", crash_after_second_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        train(recipe(tiny_data, tmp_path / "cut"))
+        train(recipe(tiny_data, tmp_path / "cut", grad_accum=accum))
     monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
     with pytest.raises(ValueError, match="--resume"):
-        train(recipe(tiny_data, tmp_path / "cut"))
-    cut = train(recipe(tiny_data, tmp_path / "cut"), resume=True)
+        train(recipe(tiny_data, tmp_path / "cut", grad_accum=accum))
+    cut = train(recipe(tiny_data, tmp_path / "cut", grad_accum=accum), resume=True)
     a, b = load_file(full / "heads.safetensors"), load_file(cut / "heads.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

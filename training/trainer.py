@@ -228,8 +228,8 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"loss is {float(loss)} at step {step}; the last good checkpoint is {ckpt}")
                 accelerator.backward(loss)
-                optimizer.step()
-                scheduler.step() if micro == recipe.grad_accum - 1 else None
+                optimizer.step()  # accelerate's wrappers step only when the accumulated gradients are synced
+                scheduler.step()
                 optimizer.zero_grad()
         step += 1
         last_loss = float(loss.detach())
