@@ -51,3 +51,25 @@ def test_stats_add_up():
         assert all(1 <= n <= model.tree.depth + 1 for n in s.tokens_per_step)
         assert set(s.seconds) == {"prefill", "propose", "verify", "accept", "commit"}
     assert s.accept_histogram[-1] > 0 and s.mean_accepted > 3  # the oracle run
+
+
+def test_streamer_gets_the_prompt_then_each_accepted_chunk():
+    class Recorder:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    base = tiny_model("llama", seed=3)
+    model = MedusaModel.from_pretrained(base, heads=None, tree="chain-4")
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    oracle = OracleDrafter(base.generate(ids, max_new_tokens=40, do_sample=False), 96)
+    rec = Recorder()
+    res = model.generate(ids, max_new_tokens=23, drafter=oracle, streamer=rec, return_dict_in_generate=True)
+    assert rec.ended and rec.chunks[0] == ids[0].tolist()
+    assert [len(c) for c in rec.chunks[1:]] == res.stats.tokens_per_step  # one put per accepted chunk
+    assert sum(rec.chunks[1:], []) == res.sequences[0, 7:].tolist()
