@@ -208,3 +208,20 @@ def test_conversations_with_unicode_line_separators_round_trip(tmp_path):
     rows = [{"id": "a", "messages": [{"role": "user", "content": "one\u2028two\x85three"}]}, {"id": "b", "messages": []}]
     append_conversations(p, rows)
     assert read_conversations(p) == rows
+
+
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path, monkeypatch):
+    real_loss = trainer_mod.medusa_loss
+    calls = {"n": 0}
+
+    def loss_going_nan(*args, **kwargs):
+        loss, metrics = real_loss(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] == 8 else loss), metrics
+
+    monkeypatch.setattr(trainer_mod, "medusa_loss", loss_going_nan)
+    with pytest.raises(FloatingPointError, match="loss is nan at step 7"):
+        train(recipe(tiny_data, tmp_path / "nan"))
+    state = json.loads((tmp_path / "nan" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 5
+    assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "nan" / "checkpoint" / "heads.safetensors").values())
