@@ -17,7 +17,7 @@ class ForwardCounter:
 
     def __init__(self, model) -> None:
         self.calls = 0
-        model.register_forward_pre_hook(self._count)
+        self.handle = model.register_forward_pre_hook(self._count)
 
     def _count(self, module, args) -> None:
         self.calls += 1
@@ -101,6 +101,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
             reply = tokenizer.decode(outs["hf"][0, ids.shape[1]:], skip_special_tokens=True)
             messages.append({"role": "assistant", "content": reply})
     model.set_tree(calibrated)
+    counter.handle.remove()
 
     def summarise(per_method: dict) -> dict:
         hf = per_method["hf"]
