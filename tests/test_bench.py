@@ -1,0 +1,44 @@
+"""bench and calibrate run end to end on a tiny model; greedy methods agree with transformers."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from medusa_heads import MedusaModel
+from medusa_heads.bench import run_bench, write_results
+from medusa_heads.training.data import PromptRow
+from medusa_heads.tree.calibrate import rank_paths
+from medusa_heads.tuning import choose_tree, heads_latency, verify_latency
+
+from conftest import randomize_heads, tiny_model
+
+
+def test_bench_writes_tables_and_greedy_methods_match(tmp_path, real_base):
+    _, tok = real_base
+    base = tiny_model("llama", seed=2, vocab_size=len(tok))
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-8"))
+    rows = [PromptRow("a", ["Hello there"], category="chat"), PromptRow("b", ["Two turns", "and again"], category="multi")]
+    methods = ["hf", "pld", "medusa", "medusa-preset"]
+    result = run_bench(model, tok, rows, methods, max_new_tokens=8, preset="chain-4")
+    assert set(result["overall"]) == set(methods) and set(result["by_category"]) == {"chat", "multi"}
+    assert all(r["mismatches_vs_hf"] == 0 for r in result["overall"].values())
+    assert result["overall"]["hf"]["mean_accepted"] == 1.0
+    assert model.tree_buffers.size == 9  # the calibrated tree is restored
+    write_results(result, tmp_path, methods)
+    assert json.loads((tmp_path / "results.json").read_text())["overall"]["medusa"]["speedup_vs_hf"] > 0
+    assert (tmp_path / "speedup.png").stat().st_size > 1000 and "medusa-preset" in (tmp_path / "results.md").read_text()
+
+
+def test_calibration_picks_a_tree_from_measured_latency():
+    model = MedusaModel.from_pretrained(tiny_model("llama"), heads=None)
+    latency = verify_latency(model.target, [1, 2, 3, 4, 5], context=16, repeats=1)
+    assert set(latency) == {1, 2, 3, 4, 5} and all(t > 0 for t in latency.values())
+    paths = rank_paths([(0, 0, -1), (0, 1, 0), (1, -1, 0), (0, 0, 0)])
+    assert paths == {(0,): 0.75, (0, 0): 0.5, (0, 0, 0): 0.25, (0, 1): 0.25, (0, 1, 0): 0.25, (1,): 0.25}
+    fake = {n: 1.0 + 0.1 * n for n in range(1, 6)}
+    out = choose_tree(paths, fake, t_heads=0.0, t_overhead=0.0, max_nodes=4)
+    assert [r["nodes"] for r in out["table"]] == [1, 2, 3, 4]
+    best = max(out["table"], key=lambda r: r["tokens_per_s"])
+    assert out["best"] == best and best["tau"] == 1 + sum(sorted(paths.values(), reverse=True)[: best["nodes"]])
+    assert heads_latency(model.heads, 2) > 0
