@@ -105,3 +105,80 @@ def load_heads(directory: str | os.PathLike, lm_head_weight: torch.Tensor, confi
             )
     heads.load_state_dict(state, strict=True)
     return heads
+
+
+# ---- the reference Medusa layout (FasterDecoding/Medusa; also read by vLLM) ---------------------------------------
+# config.json: {"medusa_num_heads": K, "medusa_num_layers": L, ...}; medusa_lm_head.safetensors holds the state dict
+# of its ModuleList of K nn.Sequential(ResBlock x L, Linear(H, V, bias=False)):
+#   "{k}.{j}.linear.weight" (H, H), "{k}.{j}.linear.bias" (H,), "{k}.{L}.weight" (V, H)
+REFERENCE_WEIGHTS = "medusa_lm_head.safetensors"
+
+
+def is_reference_dir(directory: str | os.PathLike) -> bool:
+    d = Path(directory)
+    return (d / REFERENCE_WEIGHTS).is_file() and not (d / WEIGHTS_NAME).is_file()
+
+
+def load_reference(directory: str | os.PathLike, lm_head_weight: torch.Tensor) -> MedusaHeads:
+    """Heads saved by the reference code. Heads whose LM heads all equal the base's load as shared-LM-head heads."""
+    import json
+
+    d = Path(directory)
+    if not (d / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"heads directory {d} has no {CONFIG_NAME}")
+    ref = json.loads((d / CONFIG_NAME).read_text())
+    for key in ("medusa_num_heads", "medusa_num_layers"):
+        if not isinstance(ref.get(key), int):
+            raise ValueError(f"{d / CONFIG_NAME}: {key} is missing or not an integer")
+    k_heads, layers = ref["medusa_num_heads"], ref["medusa_num_layers"]
+    state = load_file(d / REFERENCE_WEIGHTS)
+    v, h = lm_head_weight.shape
+    expected = {f"{k}.{layers}.weight": (v, h) for k in range(k_heads)}
+    for k in range(k_heads):
+        for j in range(layers):
+            expected[f"{k}.{j}.linear.weight"], expected[f"{k}.{j}.linear.bias"] = (h, h), (h,)
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{d / REFERENCE_WEIGHTS}: missing keys {missing}, unexpected keys {unexpected}")
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
+            raise ValueError(f"{d / REFERENCE_WEIGHTS}: {key} has shape {tuple(state[key].shape)}, the base model implies {shape}")
+    base_w = lm_head_weight.detach().to("cpu")
+    shared = all(torch.equal(state[f"{k}.{layers}.weight"].to(base_w.dtype), base_w) for k in range(k_heads))
+    config = MedusaConfig(num_heads=k_heads, num_layers=layers, hidden_size=h, vocab_size=v, own_lm_head=not shared,
+                          extra={"imported_from": "reference medusa"})
+    heads = MedusaHeads(config, lm_head_weight)
+    ours = {}
+    for k in range(k_heads):
+        for j in range(layers):
+            for p in ("weight", "bias"):
+                ours[f"blocks.{k}.{j}.linear.{p}"] = state[f"{k}.{j}.linear.{p}"]
+        if not shared:
+            ours[f"lm_heads.{k}.weight"] = state[f"{k}.{layers}.weight"]
+    heads.load_state_dict(ours, strict=True)
+    return heads
+
+
+def export_reference(heads: MedusaHeads, lm_head_weight: torch.Tensor, out: str | os.PathLike, base_name: str = "") -> Path:
+    """Write the reference layout. Every head gets a full-vocabulary LM head (the base's when shared), so a draft
+    vocabulary is not kept; heads with their own LM head over a draft vocabulary cannot be exported."""
+    import json
+
+    cfg = heads.config
+    if cfg.own_lm_head and cfg.draft_vocab is not None:
+        raise ValueError("heads with their own LM heads over a draft vocabulary have no full-vocabulary LM head to export")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for k in range(cfg.num_heads):
+        for j in range(cfg.num_layers):
+            block = heads.blocks[k][j].linear
+            state[f"{k}.{j}.linear.weight"], state[f"{k}.{j}.linear.bias"] = block.weight, block.bias
+        lm = heads.lm_heads[k].weight if cfg.own_lm_head else lm_head_weight
+        state[f"{k}.{cfg.num_layers}.weight"] = lm
+    state = {key: t.detach().to("cpu").contiguous().clone() for key, t in state.items()}
+    _atomic_write(out / REFERENCE_WEIGHTS, lambda p: save_file(state, p))
+    ref = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers, "base_model_name_or_path": base_name,
+           "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+    _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(ref, indent=1) + "\n"))
+    return out

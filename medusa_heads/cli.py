@@ -208,6 +208,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
               f"measured tau {m['mean_accepted']:.2f} / speed-up {m['speedup_vs_hf']:.2f}")
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    """Write heads in the reference Medusa layout (medusa_lm_head.safetensors + config.json), which vLLM reads."""
+    from .checkpoint import export_reference
+    from .model import MedusaModel
+
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads_dir)
+    out = export_reference(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)
+    print(f"exported to {out}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="medusa-heads", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -293,6 +303,13 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--out", default="results")
     b.set_defaults(fn=cmd_bench)
+
+    e = sub.add_parser("export", help="write heads in another layout (--format medusa: the reference/vLLM layout)")
+    e.add_argument("heads_dir")
+    e.add_argument("out")
+    e.add_argument("--format", choices=["medusa"], default="medusa")
+    e.add_argument("--model", default=DEFAULT_MODEL)
+    e.set_defaults(fn=cmd_export)
 
     args = p.parse_args(argv)
     args.fn(args)

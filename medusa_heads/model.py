@@ -11,7 +11,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from .checkpoint import base_fingerprint, check_fingerprint, load_config, load_heads, save_heads
+from .checkpoint import (
+    base_fingerprint, check_fingerprint, is_reference_dir, load_config, load_heads, load_reference, save_heads,
+)
 from .config import MedusaConfig
 from .heads import MedusaHeads
 from .inference.accept import TargetChoice, TypicalAcceptance
@@ -86,6 +88,8 @@ class MedusaModel(nn.Module):
                 base_fingerprint=base_fingerprint(base),
             )
             medusa_heads = MedusaHeads(config, lm_weight)
+        elif is_reference_dir(heads):  # saved by the reference Medusa code
+            medusa_heads = load_reference(heads, lm_weight)
         else:
             config = load_config(heads)
             check_fingerprint(config, base, allow_base_mismatch)

@@ -131,3 +131,33 @@ def test_bad_generate_input():
         model.set_tree([[0], [0, 0], [0, 0, 0]])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         MedusaModel.from_pretrained(base, heads="/nonexistent/heads")
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_reference_medusa_export_then_import_is_bit_exact(tmp_path, own):
+    from medusa_heads.checkpoint import REFERENCE_WEIGHTS, export_reference
+
+    base = tiny_model("llama")
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, num_heads=3, num_layers=2, own_lm_head=own, tree="cpu-8"))
+    export_reference(model.heads, base.lm_head.weight, tmp_path, base_name="tiny")
+    from safetensors.torch import load_file
+
+    keys = set(load_file(tmp_path / REFERENCE_WEIGHTS))
+    assert keys == {f"{k}.{j}.linear.{p}" for k in range(3) for j in range(2) for p in ("weight", "bias")} | {f"{k}.2.weight" for k in range(3)}
+    back = MedusaModel.from_pretrained(base, heads=tmp_path, tree="cpu-8")
+    assert back.config.own_lm_head == own  # a shared LM head is recognised by equality with the base's
+    a, b = model.heads.state_dict(), back.heads.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.tensor([[3, 1, 4]])
+    assert torch.equal(back.generate(ids, max_new_tokens=10), model.generate(ids, max_new_tokens=10))
+
+
+def test_reference_medusa_import_checks_keys_and_shapes(tmp_path):
+    from safetensors.torch import save_file
+
+    base = tiny_model("llama")
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1}))
+    save_file({"0.0.linear.weight": torch.zeros(32, 32), "0.0.linear.bias": torch.zeros(16), "0.1.weight": torch.zeros(96, 32)},
+              tmp_path / "medusa_lm_head.safetensors")
+    with pytest.raises(ValueError, match=r"0.0.linear.bias has shape \(16,\), the base model implies \(32,\)"):
+        MedusaModel.from_pretrained(base, heads=tmp_path)
