@@ -11,6 +11,7 @@ import torch
 from ..tree.buffers import TreeBuffers
 from .cache import keep_accepted, new_cache
 from .propose import Drafter
+from .sampling import process_tree
 from .verify import Target
 
 class AcceptRule(Protocol):
@@ -84,8 +85,10 @@ def decode(
     eos: set[int],
     streamer=None,
     cache=None,
+    processors=None,
 ) -> tuple[torch.Tensor, DecodeStats]:
-    """input_ids: (1, L). Returns ((1, L + new) tokens, stats). `cache`: an empty cache to fill (default: new)."""
+    """input_ids: (1, L). Returns ((1, L + new) tokens, stats). `cache`: an empty cache to fill (default: new).
+    `processors`: context-dependent logits processors, run at each node with its own path as context."""
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
     capacity = prompt_len + max_new_tokens + buffers.size
@@ -97,7 +100,8 @@ def decode(
 
     t0 = clock()
     out = target.prefill(input_ids, cache)
-    root = rule.first(out.logits[-1:])
+    logits = processors(input_ids, out.logits[-1:].float()) if processors else out.logits[-1:]
+    root = rule.first(logits)
     state = DecodeState(sequence, prompt_len, prompt_len, out.hidden[-1])
     chunk = _emit(state, [root], max_new_tokens, eos)
     stats.tokens_per_step.append(len(chunk))
@@ -115,7 +119,10 @@ def decode(
         out = target.verify(tree, state.past, cache, buffers)
         # 3. accept: longest path the target agrees with, plus the target's own next token
         t2 = clock()
-        nodes, bonus = rule.accept(tree, out.logits, buffers)
+        logits = out.logits
+        if processors:
+            logits = process_tree(processors, state.sequence[: state.length - 1], tree, logits, buffers.mask)
+        nodes, bonus = rule.accept(tree, logits, buffers)
         # 4. commit: emit up to EOS or the budget; the cache keeps root + emitted nodes; the bonus is the next root
         t3 = clock()
         chunk = _emit(state, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos)

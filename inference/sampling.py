@@ -4,7 +4,11 @@ from __future__ import annotations
 import torch
 from transformers import (
     LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -41,3 +45,30 @@ def target_probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Te
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """(T, V) -> (T,) one independent draw per row."""
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def build_processors(gc: GenerationConfig, prompt_length: int, extra: LogitsProcessorList | None = None) -> LogitsProcessorList:
+    """The context-dependent processors transformers' generate builds for `gc` (same order), then the user's."""
+    eos = gc.eos_token_id
+    p = LogitsProcessorList()
+    if gc.repetition_penalty is not None and gc.repetition_penalty != 1.0:
+        p.append(RepetitionPenaltyLogitsProcessor(penalty=gc.repetition_penalty))
+    if gc.no_repeat_ngram_size is not None and gc.no_repeat_ngram_size > 0:
+        p.append(NoRepeatNGramLogitsProcessor(gc.no_repeat_ngram_size))
+    if gc.bad_words_ids is not None:
+        p.append(NoBadWordsLogitsProcessor(gc.bad_words_ids, eos))
+    if gc.min_new_tokens is not None and gc.min_new_tokens > 0 and eos is not None:
+        p.append(MinNewTokensLengthLogitsProcessor(prompt_length, gc.min_new_tokens, eos))
+    p.extend(extra or [])
+    return p
+
+
+def process_tree(processors: LogitsProcessorList, prefix: torch.Tensor, tree_tokens: torch.Tensor, logits: torch.Tensor,
+                 ancestors: torch.Tensor) -> torch.Tensor:
+    """Run context-dependent processors at every node with that node's own path as its context.
+    prefix: (L,) tokens before the root; tree_tokens: (T,); logits: (T, V); ancestors: (T, T) bool tree mask."""
+    out = torch.empty_like(logits, dtype=torch.float32)
+    for i in range(tree_tokens.shape[0]):
+        context = torch.cat([prefix, tree_tokens[ancestors[i]]])[None]  # (1, L + depth + 1)
+        out[i] = processors(context, logits[i : i + 1].float())[0]
+    return out

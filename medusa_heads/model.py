@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList, PreTrainedModel
 
 from .checkpoint import (
     base_fingerprint, check_fingerprint, is_reference_dir, load_config, load_heads, load_reference, save_heads,
@@ -19,7 +19,7 @@ from .heads import MedusaHeads
 from .inference.accept import TargetChoice, TypicalAcceptance
 from .inference.decode import DecodeStats, decode
 from .inference.propose import Drafter, HeadsDrafter
-from .inference.sampling import build_warpers
+from .inference.sampling import build_processors, build_warpers
 from .inference.support import check_tree_attention
 from .inference.verify import Target
 from .models import DEFAULT_MODEL, default_heads_path, resolve_model
@@ -29,6 +29,7 @@ from .tree import TreeSpec, build_buffers, load_tree
 _SUPPORTED = {
     "max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p",
     "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "return_dict_in_generate",
+    "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens",
 }
 _IGNORED = {"transformers_version", "_from_model_config", "_commit_hash", "generation_kwargs", "cache_implementation"}
 
@@ -140,6 +141,7 @@ class MedusaModel(nn.Module):
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
         streamer=None,
+        logits_processor: LogitsProcessorList | None = None,
         drafter: Drafter | None = None,
         generator: torch.Generator | None = None,
         **kwargs,
@@ -174,8 +176,10 @@ class MedusaModel(nn.Module):
         device = self.base_model.device
         if self.tree_buffers.mask.device != device:  # the model was moved since the tree was set
             self.tree_buffers = self.tree_buffers.to(device)
+        processors = build_processors(gc, input_ids.shape[1], logits_processor)
         sequences, stats = decode(
-            self.target, drafter or HeadsDrafter(self.heads), self.tree_buffers, input_ids.to(device), max_new, rule, eos, streamer
+            self.target, drafter or HeadsDrafter(self.heads), self.tree_buffers, input_ids.to(device), max_new, rule, eos,
+            streamer, processors=processors,
         )
         if gc.return_dict_in_generate:
             return MedusaGenerateOutput(sequences, stats)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from transformers import LogitsProcessorList, SuppressTokensLogitsProcessor
+
 from medusa_heads import MedusaModel
 from medusa_heads.inference.verify import Target
 
@@ -120,3 +122,26 @@ def test_real_model_matches_greedy(real_base):
         ref = base.generate(ids, max_new_tokens=128, do_sample=False)
         out = model.generate(ids, max_new_tokens=128)
         assert torch.equal(out, ref), prompt
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(repetition_penalty=1.5),
+        dict(no_repeat_ngram_size=2),
+        dict(bad_words_ids=[[5], [7, 8]]),
+        dict(min_new_tokens=12, eos_token_id=3),
+        dict(repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=5, eos_token_id=[3, 9]),
+        dict(logits_processor=LogitsProcessorList([SuppressTokensLogitsProcessor([4, 6, 11])])),
+    ],
+)
+def test_context_dependent_processors_match_greedy(settings):
+    base = tiny_model("llama", seed=6)
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-16"))
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(4))
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, **settings)
+    oracle = OracleDrafter(ref, 96)  # drafts the processed greedy path, so processed nodes get accepted
+    for drafter in (None, oracle):
+        res = model.generate(ids, max_new_tokens=40, drafter=drafter, return_dict_in_generate=True, **settings)
+        assert torch.equal(res.sequences, ref), (settings, drafter)
+    assert max(res.stats.tokens_per_step) > 1
