@@ -60,15 +60,18 @@ class DecodeState:
     done: bool = False
 
 
-def _emit(state: DecodeState, tokens: list[int], budget: int, eos: set[int]) -> list[int]:
-    """Append tokens, stopping at the budget or just after an EOS; returns what was appended."""
+def _emit(state: DecodeState, tokens: list[int], budget: int, eos: set[int], stopping=None) -> list[int]:
+    """Append tokens, stopping at the budget, just after an EOS, or where a stopping criterion fires (checked
+    after every token, as transformers does); returns what was appended."""
     out = []
     for tok in tokens:
         state.sequence[state.length] = tok
         state.length += 1
         state.new_tokens += 1
         out.append(tok)
-        if tok in eos or state.new_tokens >= budget:
+        if tok in eos or state.new_tokens >= budget or (
+            stopping and bool(stopping(state.sequence[None, : state.length], None).any())
+        ):
             state.done = True
             break
     return out
@@ -86,9 +89,11 @@ def decode(
     streamer=None,
     cache=None,
     processors=None,
+    stopping=None,
 ) -> tuple[torch.Tensor, DecodeStats]:
     """input_ids: (1, L). Returns ((1, L + new) tokens, stats). `cache`: an empty cache to fill (default: new).
-    `processors`: context-dependent logits processors, run at each node with its own path as context."""
+    `processors`: context-dependent logits processors, run at each node with its own path as context.
+    `stopping`: a transformers StoppingCriteriaList."""
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
     capacity = prompt_len + max_new_tokens + buffers.size
@@ -103,7 +108,7 @@ def decode(
     logits = processors(input_ids, out.logits[-1:].float()) if processors else out.logits[-1:]
     root = rule.first(logits)
     state = DecodeState(sequence, prompt_len, prompt_len, out.hidden[-1])
-    chunk = _emit(state, [root], max_new_tokens, eos)
+    chunk = _emit(state, [root], max_new_tokens, eos, stopping)
     stats.tokens_per_step.append(len(chunk))
     stats.seconds["prefill"] += clock() - t0
     if streamer is not None:
@@ -125,7 +130,7 @@ def decode(
         nodes, bonus = rule.accept(tree, logits, buffers)
         # 4. commit: emit up to EOS or the budget; the cache keeps root + emitted nodes; the bonus is the next root
         t3 = clock()
-        chunk = _emit(state, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos)
+        chunk = _emit(state, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos, stopping)
         nodes = nodes[: len(chunk) + 1]
         keep_accepted(cache, state.past, nodes)
         state.past += nodes.shape[0]

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
 from .checkpoint import (
     base_fingerprint, check_fingerprint, is_reference_dir, load_config, load_heads, load_reference, save_heads,
@@ -142,6 +142,7 @@ class MedusaModel(nn.Module):
         posterior_alpha: float = 0.3,
         streamer=None,
         logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
         drafter: Drafter | None = None,
         generator: torch.Generator | None = None,
         **kwargs,
@@ -179,7 +180,7 @@ class MedusaModel(nn.Module):
         processors = build_processors(gc, input_ids.shape[1], logits_processor)
         sequences, stats = decode(
             self.target, drafter or HeadsDrafter(self.heads), self.tree_buffers, input_ids.to(device), max_new, rule, eos,
-            streamer, processors=processors,
+            streamer, processors=processors, stopping=stopping_criteria,
         )
         if gc.return_dict_in_generate:
             return MedusaGenerateOutput(sequences, stats)

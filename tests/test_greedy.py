@@ -145,3 +145,24 @@ def test_context_dependent_processors_match_greedy(settings):
         res = model.generate(ids, max_new_tokens=40, drafter=drafter, return_dict_in_generate=True, **settings)
         assert torch.equal(res.sequences, ref), (settings, drafter)
     assert max(res.stats.tokens_per_step) > 1
+
+
+def test_stopping_criteria_stop_where_transformers_stops():
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAfterToken(StoppingCriteria):
+        def __init__(self, token: int) -> None:
+            self.token = token
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == self.token
+
+    base = tiny_model("llama", seed=3)
+    model = MedusaModel.from_pretrained(base, heads=None, tree="chain-4")
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    full = base.generate(ids, max_new_tokens=40, do_sample=False)
+    stop_at = int(full[0, ids.shape[1] + 9])  # inside an accepted chunk
+    crit = StoppingCriteriaList([StopAfterToken(stop_at)])
+    want = base.generate(ids, max_new_tokens=40, do_sample=False, stopping_criteria=crit)
+    got = model.generate(ids, max_new_tokens=40, drafter=OracleDrafter(full, 96), stopping_criteria=crit)
+    assert torch.equal(got, want) and int(got[0, -1]) == stop_at
