@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from medusa_heads import MedusaModel
-from medusa_heads.inference.sampling import build_warpers
+from medusa_heads.inference.sampling import build_processors, build_warpers
 from transformers import GenerationConfig
 
 from conftest import randomize_heads, tiny_model
@@ -28,7 +28,8 @@ def setup():
 
 def exact_joint(base, ids, **settings) -> dict[tuple[int, ...], float]:
     """Enumerate P(first NEW tokens) from the target with transformers' own warpers."""
-    warpers = build_warpers(GenerationConfig(**{**GenerationConfig._get_default_generation_params(), **settings}))
+    gc = GenerationConfig(**{**GenerationConfig._get_default_generation_params(), **settings})
+    processors, warpers = build_processors(gc, ids.shape[1]), build_warpers(gc)
     law = {}
     for seq in itertools.product(range(VOCAB), repeat=NEW):
         p = 1.0
@@ -36,7 +37,7 @@ def exact_joint(base, ids, **settings) -> dict[tuple[int, ...], float]:
             x = torch.cat([ids, torch.tensor([seq[:i]], dtype=torch.long)], dim=1)
             with torch.no_grad():
                 logits = base(x).logits[:, -1]
-            p *= float(torch.softmax(warpers(x, logits), -1)[0, seq[i]])
+            p *= float(torch.softmax(warpers(x, processors(x, logits)), -1)[0, seq[i]])
         law[seq] = p
     return law
 
@@ -94,3 +95,12 @@ def test_the_test_rejects_a_slightly_wrong_temperature(setup, law):
 def test_the_test_rejects_typical_acceptance(setup, law):
     _, model, ids = setup
     assert p_value(law, draws(model, ids, DRAWS // 3, acceptance="typical", **SETTINGS)) < 1e-3
+
+
+def test_exact_sampling_with_a_context_dependent_processor(setup):
+    """Repetition penalty reads each node's own path: the joint law must still be the target's."""
+    base, model, ids = setup
+    settings = {**SETTINGS, "repetition_penalty": 1.8}
+    law = exact_joint(base, ids, **settings)
+    assert p_value(law, draws(model, ids, DRAWS, **settings)) > 1e-3
+    assert p_value(exact_joint(base, ids, **SETTINGS), draws(model, ids, DRAWS // 3, **settings)) < 1e-3  # it matters
