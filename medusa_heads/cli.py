@@ -39,6 +39,34 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(f"\n[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
 
 
+def cmd_chat(args: argparse.Namespace) -> None:
+    """Interactive chat with the chat template; replies stream as they are accepted, then tokens/s and tau."""
+    from transformers import TextStreamer
+
+    from .model import MedusaModel
+
+    base, tok = _load_base(args.model)
+    model = MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=args.tree)
+    messages: list[dict] = []
+    print("medusa-heads chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        t = time.perf_counter()
+        sampling = dict(do_sample=True, temperature=args.temperature) if args.do_sample else {}
+        res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
+                             streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True), **sampling)
+        dt = time.perf_counter() - t
+        messages.append({"role": "assistant", "content": tok.decode(res.sequences[0, ids.shape[1]:], skip_special_tokens=True)})
+        print(f"[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
+
+
 DEMO_PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -232,6 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.set_defaults(fn=cmd_generate)
+
+    ch = sub.add_parser("chat", help="interactive chat, streamed, with a tokens/s and tau status line")
+    ch.add_argument("--model", default=DEFAULT_MODEL)
+    ch.add_argument("--heads", default=None)
+    ch.add_argument("--tree", default=None)
+    ch.add_argument("--max-new-tokens", type=int, default=256)
+    ch.add_argument("--do-sample", action="store_true")
+    ch.add_argument("--temperature", type=float, default=0.7)
+    ch.set_defaults(fn=cmd_chat)
 
     d = sub.add_parser("demo", help="plain generate vs medusa on a few prompts: tokens/s, tau, equality")
     d.add_argument("--model", default=DEFAULT_MODEL)

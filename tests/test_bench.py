@@ -42,3 +42,15 @@ def test_calibration_picks_a_tree_from_measured_latency():
     best = max(out["table"], key=lambda r: r["tokens_per_s"])
     assert out["best"] == best and best["tau"] == 1 + sum(sorted(paths.values(), reverse=True)[: best["nodes"]])
     assert heads_latency(model.heads, 2) > 0
+
+
+def test_chat_cli_streams_replies_and_reports_tau(monkeypatch, capsys, real_base):
+    import io
+
+    from medusa_heads.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is 2+2?\nAnd times 3?\n\n"))
+    main(["chat", "--max-new-tokens", "16"])
+    out = capsys.readouterr()
+    assert out.out.count("> ") >= 2 and len(out.out) > 40  # two streamed replies
+    assert out.err.count("tokens/s, tau") == 2
