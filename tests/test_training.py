@@ -225,3 +225,13 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_data, 
     state = json.loads((tmp_path / "nan" / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 5
     assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "nan" / "checkpoint" / "heads.safetensors").values())
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tmp_path, real_base):
+    from medusa_heads.training.distill import distill
+
+    _, tok = real_base
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(ValueError, match=r"the tokenizer has 49152 tokens but the model's vocabulary has 96"):
+        distill(tiny_model("llama"), tok, read_prompts(prompts), tmp_path / "d.jsonl")

@@ -32,6 +32,9 @@ def distill(
     With `features` (a folder), the LM head's inputs at every answer token are kept as training features, taken
     from the generation itself (no second pass over the data). Returns counts: done before, written now,
     skipped (prompt too long)."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if len(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}: they do not belong together")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_conversations(out, repair=True)}
