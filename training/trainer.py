@@ -226,7 +226,7 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
                 logits = model(h)
                 loss, _ = medusa_loss(logits, t.masked_fill(t == OOV, IGNORE), recipe.decay)
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(f"loss is {float(loss)} at step {step}; the last good checkpoint is {ckpt}")
+                    raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}; the last good checkpoint is {ckpt}")
                 accelerator.backward(loss)
                 optimizer.step()  # accelerate's wrappers step only when the accumulated gradients are synced
                 scheduler.step()
