@@ -246,35 +246,34 @@ def cmd_export(args: argparse.Namespace) -> None:
     print(f"exported to {out}", file=sys.stderr)
 
 
+def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The options every generating command shares."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the default's name, a local HF directory or a hub id")
+    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads, if they fit)")
+    parser.add_argument("--tree", default=None, help="tree preset from configs/trees (default: the heads' own tree)")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="medusa-heads", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--model", default=DEFAULT_MODEL)
-    g.add_argument("--heads", default=None)
-    g.add_argument("--tree", default=None)
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    _model_args(g, max_new_tokens=256)
     g.add_argument("--do-sample", action="store_true")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.set_defaults(fn=cmd_generate)
 
     ch = sub.add_parser("chat", help="interactive chat, streamed, with a tokens/s and tau status line")
-    ch.add_argument("--model", default=DEFAULT_MODEL)
-    ch.add_argument("--heads", default=None)
-    ch.add_argument("--tree", default=None)
-    ch.add_argument("--max-new-tokens", type=int, default=256)
+    _model_args(ch, max_new_tokens=256)
     ch.add_argument("--do-sample", action="store_true")
     ch.add_argument("--temperature", type=float, default=0.7)
     ch.set_defaults(fn=cmd_chat)
 
     d = sub.add_parser("demo", help="plain generate vs medusa on a few prompts: tokens/s, tau, equality")
-    d.add_argument("--model", default=DEFAULT_MODEL)
-    d.add_argument("--heads", default=None)
-    d.add_argument("--tree", default=None)
-    d.add_argument("--max-new-tokens", type=int, default=128)
+    _model_args(d, max_new_tokens=128)
     d.add_argument("--threads", type=int, default=2)
     d.set_defaults(fn=cmd_demo)
 
