@@ -43,10 +43,6 @@ def new_cache(model: PreTrainedModel, capacity: int | None = None) -> DynamicCac
     return cache
 
 
-def cache_length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
-
-
 @torch.no_grad()
 def keep_accepted(cache: DynamicCache, past: int, keep: torch.Tensor) -> None:
     """After a verify of T tree tokens appended at `past`, keep entries past + keep[i] (in order), drop the rest.

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .training.data import PromptRow
+from .training.data import PromptRow, chat_input_ids
 
 
 class ForwardCounter:
@@ -58,7 +58,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         res = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **gen)
         return res.sequences, res.stats
 
-    warm = _chat(tokenizer, [{"role": "user", "content": "Hello"}]).to(device)
+    warm = chat_input_ids(tokenizer, [{"role": "user", "content": "Hello"}]).to(device)
     for m in methods:
         call(m, warm)
 
@@ -68,7 +68,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         messages = []
         for turn in row.turns:
             messages.append({"role": "user", "content": turn})
-            ids = _chat(tokenizer, messages).to(device)
+            ids = chat_input_ids(tokenizer, messages).to(device)
             order = methods if i % 2 == 0 else methods[::-1]
             outs = {}
             for m in order:
@@ -131,11 +131,6 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         parts["python/other"] = 1.0 - sum(parts.values())
         result["profile"] = {"share_of_time": parts, "ms_per_step": {k: 1000 * v / steps for k, v in profile.items()}}
     return result
-
-
-def _chat(tokenizer, messages: list[dict]) -> torch.Tensor:
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    return enc["input_ids"]
 
 
 def write_results(result: dict, out: str | Path, methods: list[str]) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -121,8 +122,6 @@ def is_reference_dir(directory: str | os.PathLike) -> bool:
 
 def load_reference(directory: str | os.PathLike, lm_head_weight: torch.Tensor) -> MedusaHeads:
     """Heads saved by the reference code. Heads whose LM heads all equal the base's load as shared-LM-head heads."""
-    import json
-
     d = Path(directory)
     if not (d / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"heads directory {d} has no {CONFIG_NAME}")
@@ -162,8 +161,6 @@ def load_reference(directory: str | os.PathLike, lm_head_weight: torch.Tensor) -
 def export_reference(heads: MedusaHeads, lm_head_weight: torch.Tensor, out: str | os.PathLike, base_name: str = "") -> Path:
     """Write the reference layout. Every head gets a full-vocabulary LM head (the base's when shared), so a draft
     vocabulary is not kept; heads with their own LM head over a draft vocabulary cannot be exported."""
-    import json
-
     cfg = heads.config
     if cfg.own_lm_head and cfg.draft_vocab is not None:
         raise ValueError("heads with their own LM heads over a draft vocabulary have no full-vocabulary LM head to export")

@@ -20,17 +20,23 @@ def _load_base(name: str):
 
 
 def _chat_ids(tokenizer, prompt: str):
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    return enc["input_ids"]
+    from .training.data import chat_input_ids
+
+    return chat_input_ids(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def _load_medusa(args: argparse.Namespace):
+    """Base model, tokenizer and MedusaModel for the generating commands (--model, --heads, --tree)."""
+    from .model import MedusaModel
+
+    base, tok = _load_base(args.model)
+    return MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=getattr(args, "tree", None)), tok
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from transformers import TextStreamer
 
-    from .model import MedusaModel
-
-    base, tok = _load_base(args.model)
-    model = MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=args.tree)
+    model, tok = _load_medusa(args)
     ids = _chat_ids(tok, args.prompt)
     t = time.perf_counter()
     res = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
@@ -43,10 +49,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
     """Interactive chat with the chat template; replies stream as they are accepted, then tokens/s and tau."""
     from transformers import TextStreamer
 
-    from .model import MedusaModel
+    from .training.data import chat_input_ids
 
-    base, tok = _load_base(args.model)
-    model = MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=args.tree)
+    model, tok = _load_medusa(args)
     messages: list[dict] = []
     print("medusa-heads chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -57,7 +62,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        ids = chat_input_ids(tok, messages)
         t = time.perf_counter()
         sampling = dict(do_sample=True, temperature=args.temperature) if args.do_sample else {}
         res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
@@ -78,13 +83,11 @@ def cmd_demo(args: argparse.Namespace) -> None:
     """Greedy generation with plain generate and with Medusa, alternating; prints tokens/s, tau and equality."""
     import torch
 
-    from .model import MedusaModel
-
     torch.set_num_threads(args.threads)
-    base, tok = _load_base(args.model)
-    model = MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=args.tree)
+    model, tok = _load_medusa(args)
     print(f"heads: {'trained' if model.config.extra else 'untrained (zero-initialised)'}; tree of {model.tree.num_nodes} nodes")
     ids = _chat_ids(tok, "Hi")
+    base = model.base_model
     base.generate(ids, max_new_tokens=4, do_sample=False), model.generate(ids, max_new_tokens=4)  # warm-up
     t_hf = t_md = 0.0
     n_tok = same = 0
@@ -211,12 +214,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
     from .bench import run_bench, write_results
-    from .model import MedusaModel
     from .training.data import read_prompts
 
     torch.set_num_threads(args.threads)
-    base, tok = _load_base(args.model)
-    model = MedusaModel.from_pretrained(base, heads=args.heads or "auto")
+    model, tok = _load_medusa(args)
     rows = read_prompts(args.prompts)[: args.limit]
     methods = args.methods.split(",")
     if "hf" not in methods:

@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from .inference.cache import crop_to, new_cache
 from .tree.buffers import build_buffers
-from .tree.calibrate import best_tree, rank_paths, tree_value
+from .tree.calibrate import best_tree, tree_value
 from .tree.spec import TreeSpec
 
 

@@ -49,6 +49,6 @@ def real_base():
 
 
 def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)
-    return enc["input_ids"]
+    from medusa_heads.training.data import chat_input_ids
+
+    return chat_input_ids(tokenizer, [{"role": "user", "content": prompt}])

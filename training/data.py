@@ -105,7 +105,13 @@ def append_conversations(path: str | os.PathLike, rows: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
-# ---- tokenisation for training ------------------------------------------------------------------------------------
+# ---- tokenisation ---------------------------------------------------------------------------------------------------
+
+def chat_input_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """(1, L) chat-template tokens of `messages`, ending with the assistant's generation prompt."""
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return enc["input_ids"]
+
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Chat-template tokens (L,) and a loss mask (L,) that is True on assistant tokens only (their answers,
