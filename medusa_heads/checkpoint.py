@@ -86,13 +86,15 @@ def load_config(directory: str | os.PathLike) -> MedusaConfig:
     return MedusaConfig.load(d / CONFIG_NAME)
 
 
-def load_heads(directory: str | os.PathLike, lm_head_weight: torch.Tensor, config: MedusaConfig | None = None) -> MedusaHeads:
-    """Build heads from a directory, with strict key and shape checks. Loads safetensors only."""
+def load_heads(directory: str | os.PathLike, lm_head_weight: torch.Tensor, config: MedusaConfig | None = None,
+               embed_weight: torch.Tensor | None = None) -> MedusaHeads:
+    """Build heads from a directory, with strict key and shape checks. Loads safetensors only.
+    `embed_weight`: the base's input embeddings, needed by token-conditioned heads."""
     d = Path(directory)
     config = config or load_config(d)
     if not (d / WEIGHTS_NAME).is_file():
         raise FileNotFoundError(f"heads directory {d} has no {WEIGHTS_NAME}")
-    heads = MedusaHeads(config, lm_head_weight)
+    heads = MedusaHeads(config, lm_head_weight, embed_weight)
     state = load_file(d / WEIGHTS_NAME)
     expected = heads.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -162,6 +164,8 @@ def export_reference(heads: MedusaHeads, lm_head_weight: torch.Tensor, out: str 
     """Write the reference layout. Every head gets a full-vocabulary LM head (the base's when shared), so a draft
     vocabulary is not kept; heads with their own LM head over a draft vocabulary cannot be exported."""
     cfg = heads.config
+    if cfg.condition != "none":
+        raise ValueError(f'heads with condition="{cfg.condition}" read token embeddings, which the reference Medusa layout has no place for')
     if cfg.own_lm_head and cfg.draft_vocab is not None:
         raise ValueError("heads with their own LM heads over a draft vocabulary have no full-vocabulary LM head to export")
     out = Path(out)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 DEFAULT_TREE = "cpu-16"
+CONDITIONS = ("none", "root", "path")
 
 
 @dataclass
@@ -17,6 +18,9 @@ class MedusaConfig:
     vocab_size: int = 0  # the base model's vocabulary (rows of its LM head)
     own_lm_head: bool = False  # False: heads score through the base's frozen LM head; True: each has its own
     draft_vocab: list[int] | None = None  # token ids the heads may propose (their LM-head rows); None: all
+    # What a head sees besides the hidden state: "none" (Medusa), "root" (also the root token, the target's own next
+    # token, known before drafting), "path" (the root and the tokens drafted above the node: Hydra-style heads).
+    condition: str = "none"
     tree: list[list[int]] | str = DEFAULT_TREE  # preset name from configs/trees/ or rank paths
     base_fingerprint: dict | None = None  # {architecture, hidden_size, vocab_size, lm_head_sha256}
     format_version: int = FORMAT_VERSION
@@ -27,6 +31,8 @@ class MedusaConfig:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.condition not in CONDITIONS:
+            raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}, got {self.condition!r}")
         if self.hidden_size < 1 or self.vocab_size < 1:
             raise ValueError(f"hidden_size and vocab_size must be set, got {self.hidden_size} and {self.vocab_size}")
         if self.format_version > FORMAT_VERSION:
@@ -45,6 +51,15 @@ class MedusaConfig:
                 raise ValueError(f"draft_vocab holds id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
             if len(set(ids)) != len(ids):
                 raise ValueError("draft_vocab holds duplicate ids")
+
+    def context_slots(self, head: int) -> int:
+        """Tokens head `head` (0-based) reads besides the hidden state: root first, then the drafted path."""
+        return {"none": 0, "root": 1, "path": head + 1}[self.condition]
+
+    @property
+    def context_size(self) -> int:
+        """Context tokens the heads read in all: the width of the `context` argument of MedusaHeads."""
+        return max(self.context_slots(k) for k in range(self.num_heads))
 
     @property
     def draft_vocab_size(self) -> int:

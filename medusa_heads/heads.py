@@ -25,9 +25,13 @@ class MedusaHeads(nn.Module):
     """Head k maps the hidden state h_t to logits for token t+1+k over the draft vocabulary.
 
     With `own_lm_head=False` every head scores through `lm_head_weight`, the base model's frozen LM head,
-    which is referenced (never copied, never saved) unless a draft vocabulary selects some of its rows."""
+    which is referenced (never copied, never saved) unless a draft vocabulary selects some of its rows.
 
-    def __init__(self, config: MedusaConfig, lm_head_weight: torch.Tensor) -> None:
+    With `config.condition` "root" or "path" a head also reads context tokens through the base's frozen input
+    embeddings (`embed_weight`, referenced like the LM head): head k adds P_kj E[context_j] to h_t for each of its
+    slots j (root first, then the tokens drafted above the node), with P_kj zero-initialised."""
+
+    def __init__(self, config: MedusaConfig, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         if lm_head_weight.shape != (config.vocab_size, config.hidden_size):
             raise ValueError(
@@ -39,6 +43,21 @@ class MedusaHeads(nn.Module):
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)]) for _ in range(config.num_heads)
         )
+        if config.context_size:
+            if embed_weight is None:
+                raise ValueError(f'heads with condition="{config.condition}" need the base model\'s input embeddings')
+            if embed_weight.shape[1] != h:
+                raise ValueError(f"input embeddings have shape {tuple(embed_weight.shape)}, heads expect width {h}")
+            self.token_proj = nn.ModuleList(
+                nn.ModuleList(nn.Linear(h, h, bias=False) for _ in range(config.context_slots(k))) for k in range(config.num_heads)
+            )
+            for proj in self.token_proj.modules():
+                if isinstance(proj, nn.Linear):
+                    nn.init.zeros_(proj.weight)
+            self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)  # (V, H), frozen
+        else:
+            self.token_proj = None
+            self.embed_weight = None
         vocab = None if config.draft_vocab is None else torch.tensor(config.draft_vocab, dtype=torch.long)
         self.register_buffer("draft_vocab", vocab, persistent=False)  # (V',) or None
         rows = lm_head_weight.detach() if vocab is None else lm_head_weight.detach()[vocab.to(lm_head_weight.device)]
@@ -51,19 +70,49 @@ class MedusaHeads(nn.Module):
             self.lm_heads = None
             self.register_buffer("shared_weight", rows, persistent=False)  # (V', H), frozen
 
-    def hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (K, ..., H): each head's residual stack."""
-        return torch.stack([blocks(h) for blocks in self.blocks])
+    def _check_context(self, h: torch.Tensor, context: torch.Tensor | None, width: int) -> None:
+        if width == 0:
+            return
+        if context is None or context.shape[:-1] != h.shape[:-1] or context.shape[-1] < width:
+            raise ValueError(
+                f'heads with condition="{self.config.condition}" need context tokens of shape '
+                f"{(*h.shape[:-1], width)} (root first), got {None if context is None else tuple(context.shape)}"
+            )
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (K, ..., V') logits over the draft vocabulary."""
-        z = self.hidden(h)
+    def head_hidden(self, k: int, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H), context (..., S) -> (..., H): head k's (0-based) input to its LM head."""
+        if self.token_proj is not None:
+            self._check_context(h, context, self.config.context_slots(k))
+            for j, proj in enumerate(self.token_proj[k]):
+                h = h + proj(self.embed_weight[context[..., j]])
+        return self.blocks[k](h)
+
+    def hidden(self, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) -> (K, ..., H): each head's residual stack."""
+        return torch.stack([self.head_hidden(k, h, context) for k in range(self.config.num_heads)])
+
+    def forward(self, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H), context (..., S) token ids (root, then the drafted path; only for conditioned heads)
+        -> (K, ..., V') logits over the draft vocabulary."""
+        z = self.hidden(h, context)
         if self.lm_heads is None:
             return z @ self.shared_weight.T  # one product for all heads: the weight is read once
         return torch.stack([head(z[k]) for k, head in enumerate(self.lm_heads)])
 
+    def head_logits(self, k: int, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) -> (..., V'): head k (0-based) alone."""
+        z = self.head_hidden(k, h, context)
+        return z @ self.shared_weight.T if self.lm_heads is None else self.lm_heads[k](z)
+
+    def _ids(self, ranks: torch.Tensor) -> torch.Tensor:
+        return ranks if self.draft_vocab is None else self.draft_vocab[ranks]
+
     @torch.no_grad()
-    def topk(self, h: torch.Tensor, k: int) -> torch.Tensor:
-        """(H,) -> (K, k) token ids: each head's k best guesses, best first."""
-        ids = self(h).topk(k, dim=-1).indices
-        return ids if self.draft_vocab is None else self.draft_vocab[ids]
+    def topk(self, h: torch.Tensor, k: int, context: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) -> (K, ..., k) token ids: each head's k best guesses, best first."""
+        return self._ids(self(h, context).topk(k, dim=-1).indices)
+
+    @torch.no_grad()
+    def head_topk(self, head: int, h: torch.Tensor, k: int, context: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) -> (..., k) token ids: head `head`'s (0-based) k best guesses."""
+        return self._ids(self.head_logits(head, h, context).topk(k, dim=-1).indices)

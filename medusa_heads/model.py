@@ -59,13 +59,15 @@ class MedusaModel(nn.Module):
         num_heads: int = 4,
         num_layers: int = 1,
         own_lm_head: bool = False,
+        condition: str = "none",
         draft_vocab: Sequence[int] | None = None,
         tree: str | Sequence[Sequence[int]] | None = None,
         allow_base_mismatch: bool = False,
         **base_kwargs,
     ) -> "MedusaModel":
         """base: the default model's name, a local HF directory, a hub id, or a loaded model.
-        heads: a heads directory; None for new (untrained) heads; "auto" for the shipped heads when their
+        heads: a heads directory; None for new (untrained) heads (num_heads, num_layers, own_lm_head,
+        condition, draft_vocab shape them: see MedusaConfig); "auto" for the shipped heads when their
         base fingerprint matches this base (the default model), new heads otherwise. tree: preset name or rank paths (default: the heads' own)."""
         if not isinstance(base, PreTrainedModel):
             base_kwargs.setdefault("dtype", torch.float32)
@@ -75,6 +77,7 @@ class MedusaModel(nn.Module):
         target = Target(base)
         check_tree_attention(target)
         lm_weight = target.lm_head.weight
+        embed_weight = base.get_input_embeddings().weight
 
         if heads == "auto":  # the shipped heads when they were trained for this very base, else new heads
             heads = _shipped_heads_for(base)
@@ -85,16 +88,17 @@ class MedusaModel(nn.Module):
                 hidden_size=lm_weight.shape[1],
                 vocab_size=lm_weight.shape[0],
                 own_lm_head=own_lm_head,
+                condition=condition,
                 draft_vocab=list(draft_vocab) if draft_vocab is not None else None,
                 base_fingerprint=base_fingerprint(base),
             )
-            medusa_heads = MedusaHeads(config, lm_weight)
+            medusa_heads = MedusaHeads(config, lm_weight, embed_weight)
         elif is_reference_dir(heads):  # saved by the reference Medusa code
             medusa_heads = load_reference(heads, lm_weight)
         else:
             config = load_config(heads)
             check_fingerprint(config, base, allow_base_mismatch)
-            medusa_heads = load_heads(heads, lm_weight, config)
+            medusa_heads = load_heads(heads, lm_weight, config, embed_weight)
         medusa_heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
         return cls(base, medusa_heads, load_tree(tree) if tree is not None else None)
 

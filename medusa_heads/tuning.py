@@ -15,7 +15,11 @@ from .tree.spec import TreeSpec
 @torch.no_grad()
 def correct_ranks(heads, segments, topk: int = 10, chunk: int = 2048) -> list[tuple[int, ...]]:
     """For every answer position i, the rank of tokens[i + k] among head k's top-k at hidden[i] (-1 if absent).
+    Conditioned heads see the true tokens[i .. i + k - 1]: on the path that is right, these are the very tokens
+    they are given when drafting, so the ranks are exact for every path that matters.
     Positions whose continuation is shorter than the heads are left out."""
+    from .training.trainer import segment_context
+
     k_heads = heads.config.num_heads
     out: list[tuple[int, ...]] = []
     dtype = heads.shared_weight.dtype if heads.lm_heads is None else heads.lm_heads[0].weight.dtype
@@ -25,7 +29,8 @@ def correct_ranks(heads, segments, topk: int = 10, chunk: int = 2048) -> list[tu
             continue
         for a in range(0, n, chunk):
             h = s.hidden[a : min(a + chunk, n)].to(dtype)
-            top = heads.topk(h, topk)  # (K, m, topk)
+            context = segment_context(s.tokens, heads.config.context_size)[a : a + h.shape[0]]
+            top = heads.topk(h, topk, context)  # (K, m, topk)
             idx = torch.arange(a, a + h.shape[0])
             truth = torch.stack([s.tokens[idx + k + 1] for k in range(k_heads)])  # (K, m)
             hit = top == truth[..., None]
@@ -64,17 +69,25 @@ def verify_latency(target, sizes: list[int], context: int = 300, repeats: int = 
 
 
 @torch.no_grad()
-def heads_latency(heads, topk: int, repeats: int = 20) -> float:
-    h = torch.randn(heads.config.hidden_size, dtype=next(heads.parameters()).dtype, device=next(heads.parameters()).device)
-    heads.topk(h, topk)
+def draft_latency(heads, spec: TreeSpec, repeats: int = 20) -> float:
+    """Seconds the heads take to draft `spec` (path-conditioned heads draft level by level, so it depends on it)."""
+    from .inference.propose import HeadsDrafter
+
+    param = next(heads.parameters())
+    buffers = build_buffers(spec).to(param.device)
+    drafter = HeadsDrafter(heads)
+    h = torch.randn(heads.config.hidden_size, dtype=param.dtype, device=param.device)
+    seq = torch.zeros(8, dtype=torch.long, device=param.device)
+    drafter.draft(h, seq, buffers)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        heads.topk(h, topk)
+        drafter.draft(h, seq, buffers)
     return (time.perf_counter() - t0) / repeats
 
 
-def choose_tree(path_prob, latency: dict[int, float], t_heads: float, t_overhead: float, max_nodes: int) -> dict:
-    """For each size N, the optimal tree (best_tree) and its predicted tokens/s; returns the best and the table."""
+def choose_tree(path_prob, latency: dict[int, float], t_heads, t_overhead: float, max_nodes: int) -> dict:
+    """For each size N, the optimal tree (best_tree) and its predicted tokens/s; returns the best and the table.
+    t_heads: the heads' drafting seconds, a number or a function of the tree."""
     table = []
     for n in range(1, max_nodes + 1):
         if n + 1 not in latency:
@@ -83,8 +96,9 @@ def choose_tree(path_prob, latency: dict[int, float], t_heads: float, t_overhead
         if spec is None or spec.num_nodes < n:
             break
         tau = 1.0 + tree_value(spec, path_prob)
-        step = latency[n + 1] + t_heads + t_overhead
-        table.append({"nodes": n, "tau": tau, "step_s": step, "tokens_per_s": tau / step, "paths": spec.to_list()})
+        draft = t_heads(spec) if callable(t_heads) else t_heads
+        step = latency[n + 1] + draft + t_overhead
+        table.append({"nodes": n, "tau": tau, "step_s": step, "draft_s": draft, "tokens_per_s": tau / step, "paths": spec.to_list()})
     best = max(table, key=lambda r: r["tokens_per_s"])
     plain = 1.0 / latency[1]
     for row in table:

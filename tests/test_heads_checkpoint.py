@@ -161,3 +161,30 @@ def test_reference_medusa_import_checks_keys_and_shapes(tmp_path):
               tmp_path / "medusa_lm_head.safetensors")
     with pytest.raises(ValueError, match=r"0.0.linear.bias has shape \(16,\), the base model implies \(32,\)"):
         MedusaModel.from_pretrained(base, heads=tmp_path)
+
+
+@pytest.mark.parametrize("condition", ["root", "path"])
+def test_token_conditioned_heads_round_trip_and_refuse_the_reference_layout(tmp_path, condition):
+    from medusa_heads.checkpoint import export_reference
+
+    w, emb = torch.randn(20, 8), torch.randn(20, 8)
+    cfg = MedusaConfig(num_heads=3, num_layers=1, hidden_size=8, vocab_size=20, condition=condition)
+    heads = MedusaHeads(cfg, w, emb)
+    for p in heads.parameters():
+        p.data.normal_()
+    assert sum(k.startswith("token_proj.") for k in heads.state_dict()) == (3 if condition == "root" else 6)
+    save_heads(tmp_path, heads)
+    back = load_heads(tmp_path, w, embed_weight=emb)
+    a, b = heads.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the embeddings are not saved
+    context = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    h = torch.randn(2, 8)
+    assert torch.equal(back(h, context), heads(h, context))
+    with pytest.raises(ValueError, match="input embeddings"):
+        load_heads(tmp_path, w)
+    with pytest.raises(ValueError, match=r"need context tokens of shape \(2, 1\)|need context tokens of shape \(2, 2\)"):
+        heads(h, context[:, :0])
+    with pytest.raises(ValueError, match="reference Medusa layout"):
+        export_reference(heads, w, tmp_path / "ref")
+    with pytest.raises(ValueError, match="condition must be one of"):
+        MedusaConfig(hidden_size=8, vocab_size=20, condition="tokens")

@@ -104,3 +104,14 @@ def test_exact_sampling_with_a_context_dependent_processor(setup):
     law = exact_joint(base, ids, **settings)
     assert p_value(law, draws(model, ids, DRAWS, **settings)) > 1e-3
     assert p_value(exact_joint(base, ids, **SETTINGS), draws(model, ids, DRAWS // 3, **settings)) < 1e-3  # it matters
+
+
+def test_exact_sampling_with_path_conditioned_heads(setup, law):
+    """Drafts that depend on the sampled root and on each node's path leave the law the target's."""
+    base, plain, ids = setup
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, num_heads=3, condition="path", tree=TREE), std=0.1)
+    model.heads.blocks.load_state_dict(plain.heads.blocks.state_dict())  # drafts near the plain heads', which get accepted
+    assert p_value(law, draws(model, ids, DRAWS, **SETTINGS)) > 1e-3
+    h = torch.randn(32)
+    drafts = {tuple(model.heads.topk(h, 2, torch.tensor([r, r, r]))[:, :].flatten().tolist()) for r in range(VOCAB)}
+    assert len(drafts) > 1, "the drafts must depend on the context tokens for this test to mean anything"

@@ -16,6 +16,7 @@ class TrainRecipe:
     out: str = "runs/heads"  # heads directory to write (loadable with MedusaModel.from_pretrained(base, heads=out))
     num_heads: int = 4  # K
     num_layers: int = 1  # residual blocks per head
+    condition: str = "none"  # what heads see besides h_t: "none" (Medusa), "root" (+ the root token), "path" (+ root and drafted path)
     draft_vocab_size: int = 4096  # most frequent answer tokens the heads may propose; 0 = the whole vocabulary
     decay: float = 0.8  # loss weight of head k is decay ** (k - 1)
     lr: float = 1e-3  # AdamW peak learning rate
@@ -32,6 +33,10 @@ class TrainRecipe:
     tree: str = "cpu-16"  # tree preset written into the heads' config (calibrate can replace it)
 
     def __post_init__(self) -> None:
+        from ..config import CONDITIONS
+
+        if self.condition not in CONDITIONS:
+            raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}, got {self.condition!r}")
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
         for name in ("num_heads", "max_steps", "batch_size", "grad_accum", "eval_every", "save_every"):

@@ -30,6 +30,7 @@ OOV = -1  # a real target token outside the draft vocabulary: never predictable,
 class Split:
     hidden: torch.Tensor  # (N, H) bf16
     targets: torch.Tensor  # (N, K) draft indices; OOV or IGNORE
+    context: torch.Tensor  # (N, S) token ids the conditioned heads read: tokens[i], tokens[i + 1], ... (S may be 0)
 
 
 def is_eval(conv_id: str, fraction: float) -> bool:
@@ -50,9 +51,18 @@ def choose_draft_vocab(segments: list[Segment], size: int, vocab_size: int) -> l
     return sorted(ranked)
 
 
-def build_split(segments: list[Segment], num_heads: int, index: torch.Tensor) -> Split:
-    """Head k (1..K) at answer position i learns tokens[i + k]."""
-    hidden, targets = [], []
+def segment_context(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """(n,) -> (n, width): row i is tokens[i : i + width], the root (the target's own token from hidden[i]) and
+    the true path after it, repeating the last token past the end (where no head has a target left)."""
+    n = tokens.shape[0]
+    idx = (torch.arange(n)[:, None] + torch.arange(width)[None]).clamp(max=n - 1)
+    return tokens[idx]
+
+
+def build_split(segments: list[Segment], num_heads: int, index: torch.Tensor, context_size: int = 0) -> Split:
+    """Head k (1..K) at answer position i learns tokens[i + k], seeing tokens[i .. i + k - 1] if conditioned
+    (teacher forcing: a drafted path only matters when it is right)."""
+    hidden, targets, context = [], [], []
     for s in segments:
         n = s.tokens.shape[0]
         mapped = index[s.tokens]  # draft index or OOV
@@ -62,7 +72,8 @@ def build_split(segments: list[Segment], num_heads: int, index: torch.Tensor) ->
                 t[: n - k, k - 1] = mapped[k:]
         hidden.append(s.hidden)
         targets.append(t)
-    return Split(torch.cat(hidden), torch.cat(targets))
+        context.append(segment_context(s.tokens, context_size))
+    return Split(torch.cat(hidden), torch.cat(targets), torch.cat(context))
 
 
 def coverage(split: Split) -> float:
@@ -77,7 +88,7 @@ def evaluate(heads: MedusaHeads, split: Split, decay: float, chunk: int = 4096) 
     for a in range(0, split.hidden.shape[0], chunk):
         h = split.hidden[a : a + chunk].to(heads.shared_weight.dtype if heads.shared_weight is not None else torch.float32)
         t = split.targets[a : a + chunk]
-        logits = heads(h)
+        logits = heads(h, split.context[a : a + chunk])
         hh, cc = topk_hits(logits, t)
         hits += hh
         counted += cc
@@ -172,6 +183,7 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
     accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum)
     base = AutoModelForCausalLM.from_pretrained(resolve_model(recipe.model), dtype=torch.float32)
     lm_weight = base.get_output_embeddings().weight.detach()
+    embed_weight = base.get_input_embeddings().weight.detach()
 
     convs = read_conversations(recipe.data)
     known = {c["id"] for c in convs}
@@ -183,16 +195,15 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
     vocab = choose_draft_vocab(train_segs, recipe.draft_vocab_size, lm_weight.shape[0])
     index = torch.full((lm_weight.shape[0],), OOV, dtype=torch.long)
     index[torch.tensor(vocab)] = torch.arange(len(vocab))
-    train_split = build_split(train_segs, recipe.num_heads, index)
-    eval_split = build_split(eval_segs, recipe.num_heads, index)
-
     config = MedusaConfig(
-        num_heads=recipe.num_heads, num_layers=recipe.num_layers, hidden_size=lm_weight.shape[1],
+        num_heads=recipe.num_heads, num_layers=recipe.num_layers, condition=recipe.condition, hidden_size=lm_weight.shape[1],
         vocab_size=lm_weight.shape[0], draft_vocab=None if len(vocab) == lm_weight.shape[0] else vocab,
         tree=recipe.tree, base_fingerprint=base_fingerprint(base),
     )
+    train_split = build_split(train_segs, recipe.num_heads, index, config.context_size)
+    eval_split = build_split(eval_segs, recipe.num_heads, index, config.context_size)
     torch.manual_seed(recipe.seed)
-    heads = MedusaHeads(config, lm_weight)
+    heads = MedusaHeads(config, lm_weight, embed_weight)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, recipe.warmup_steps, recipe.max_steps)
     step = load_checkpoint(ckpt, heads, optimizer, scheduler) if resume and ckpt.exists() else 0
@@ -223,7 +234,7 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
             h = train_split.hidden[idx].float()
             t = train_split.targets[idx]
             with accelerator.accumulate(model):
-                logits = model(h)
+                logits = model(h, train_split.context[idx])
                 loss, _ = medusa_loss(logits, t.masked_fill(t == OOV, IGNORE), recipe.decay)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}; the last good checkpoint is {ckpt}")

@@ -22,6 +22,9 @@ class TreeBuffers:
     children: tuple[tuple[int, ...], ...]  # children[i]: node indices of i's children
     topk: int  # ranks read from each head
     num_heads: int  # heads the tree reads (= depth)
+    # levels[d - 1], for the nodes at depth d, drafted together by head d from their parents (path-conditioned heads):
+    # (chains (P, d): root -> parent node indices of each parent with children, nodes (C,), parent_row (C,), rank (C,))
+    levels: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...] = ()
 
     @property
     def size(self) -> int:
@@ -29,11 +32,14 @@ class TreeBuffers:
         return self.mask.shape[0]
 
     def to(self, device: torch.device | str) -> "TreeBuffers":
-        moved = {
-            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
-            for f in fields(self)
-        }
-        return TreeBuffers(**moved)
+        def move(value):
+            if isinstance(value, torch.Tensor):
+                return value.to(device)
+            if isinstance(value, tuple) and any(isinstance(t, torch.Tensor) for level in value for t in level):
+                return tuple(tuple(t.to(device) for t in level) for level in value)  # levels
+            return value
+
+        return TreeBuffers(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
 def build_buffers(spec: TreeSpec) -> TreeBuffers:
@@ -61,6 +67,19 @@ def build_buffers(spec: TreeSpec) -> TreeBuffers:
         paths[row] = torch.tensor(chain + [leaf] * (depth + 1 - len(chain)))
         path_len[row] = len(chain)
 
+    levels = []
+    for d in range(1, depth + 1):
+        nodes_d = [i for i in range(1, t) if len(nodes[i]) == d]
+        parents = sorted({parent[i] for i in nodes_d})
+        row = {p: r for r, p in enumerate(parents)}
+        chains = torch.tensor([[index[nodes[p][:j]] for j in range(d)] for p in parents], dtype=torch.long)
+        levels.append((
+            chains.reshape(len(parents), d),
+            torch.tensor(nodes_d, dtype=torch.long),
+            torch.tensor([row[parent[i]] for i in nodes_d], dtype=torch.long),
+            torch.tensor([nodes[i][-1] for i in nodes_d], dtype=torch.long),
+        ))
+
     return TreeBuffers(
         mask=mask,
         depth=torch.tensor([len(p) for p in nodes], dtype=torch.long),
@@ -71,4 +90,5 @@ def build_buffers(spec: TreeSpec) -> TreeBuffers:
         children=tuple(tuple(c) for c in children),
         topk=topk,
         num_heads=depth,
+        levels=tuple(levels),
     )
