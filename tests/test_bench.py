@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 
 from medusa_heads import MedusaModel
 from medusa_heads.bench import run_bench, write_results

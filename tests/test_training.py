@@ -237,3 +237,102 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tmp_path, real_base)
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
     with pytest.raises(ValueError, match=r"the tokenizer has 49152 tokens but the model's vocabulary has 96"):
         distill(tiny_model("llama"), tok, read_prompts(prompts), tmp_path / "d.jsonl")
+
+
+# ---- real kills: a child process gets SIGKILL in the middle of writing, then the run is resumed ------------------
+
+KILLED_TRAIN = """
+import sys, time, pathlib, yaml
+from medusa_heads.training import trainer as T
+from medusa_heads.training.recipe import TrainRecipe
+recipe, marker = TrainRecipe(**yaml.safe_load(open(sys.argv[1]))), pathlib.Path(sys.argv[2])
+real, calls = T.save_heads, []
+def stall_inside_third_checkpoint(*a, **k):
+    out = real(*a, **k)  # heads are in the temporary folder; optimizer state and the rename are still to come
+    calls.append(1)
+    if len(calls) == 3:
+        marker.write_text("now")
+        time.sleep(600)
+    return out
+T.save_heads = stall_inside_third_checkpoint
+T.train(recipe)
+"""
+
+KILLED_DISTILL = """
+import json, sys, time, pathlib
+sys.path.insert(0, sys.argv[4])
+from conftest import tiny_model
+from transformers import AutoTokenizer
+from medusa_heads import default_model_path
+from medusa_heads.training import distill as D
+from medusa_heads.training.data import read_prompts
+out, marker = pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+tok = AutoTokenizer.from_pretrained(default_model_path())
+real, calls = D.append_conversations, []
+def stall_mid_line(path, written):
+    calls.append(1)
+    if len(calls) == 3:
+        with open(path, "a") as f:
+            f.write(json.dumps(written[0])[:30])
+            f.flush()
+        marker.write_text("now")
+        time.sleep(600)
+    real(path, written)
+D.append_conversations = stall_mid_line
+D.distill(tiny_model("llama", seed=1, vocab_size=len(tok)), tok, read_prompts(sys.argv[1]), out,
+          max_new_tokens=6, batch_size=3, features=out.parent / "features")
+"""
+
+
+def _run_and_kill(script: str, args: list[str], marker) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not marker.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the child ended before the kill point: {proc.stderr.read()[-2000:]}")
+        assert time.time() < deadline, "the child never reached the kill point"
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_kill_9_inside_a_checkpoint_write_then_resume_equals_the_uninterrupted_run(tiny_data, tmp_path):
+    import yaml
+
+    full = train(recipe(tiny_data, tmp_path / "full"))
+    cfg = tmp_path / "cut.yaml"
+    cfg.write_text(yaml.safe_dump(recipe(tiny_data, tmp_path / "cut").to_dict()))
+    _run_and_kill(KILLED_TRAIN, [cfg, tmp_path / "marker"], tmp_path / "marker")
+    state = json.loads((tmp_path / "cut" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 10  # the third checkpoint (step 15) was cut short; the second is intact
+    cut = train(recipe(tiny_data, tmp_path / "cut"), resume=True)
+    a, b = load_file(full / "heads.safetensors"), load_file(cut / "heads.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kill_9_of_distill_mid_line_then_rerun_loses_and_repeats_nothing(tmp_path, real_base):
+    from pathlib import Path
+
+    from medusa_heads.training import distill as distill_mod
+    from medusa_heads.training.features import load_segments
+
+    _, tok = real_base
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question number {i}?" + " more" * i}) + "\n" for i in range(10)))
+    out = tmp_path / "d.jsonl"
+    _run_and_kill(KILLED_DISTILL, [prompts, out, tmp_path / "marker", Path(__file__).parent], tmp_path / "marker")
+    assert len(out.read_text().splitlines()) == 7  # 6 whole rows and a torn one
+    base = tiny_model("llama", seed=1, vocab_size=len(tok))
+    rows = read_prompts(prompts)
+    counts = distill_mod.distill(base, tok, rows, out, max_new_tokens=6, batch_size=3, features=tmp_path / "features")
+    assert counts["done_before"] == 6 and counts["written"] == 4
+    ids = [r["id"] for r in read_conversations(out)]
+    assert sorted(ids) == sorted(r.id for r in rows)  # nothing lost, nothing twice
+    segs = load_segments(tmp_path / "features", keep_ids=set(ids))
+    assert sorted(s.id for s in segs) == sorted(f"{r.id}#0" for r in rows)
