@@ -59,6 +59,19 @@ def keep_accepted(cache: DynamicCache, past: int, keep: torch.Tensor) -> None:
             layer.cumulative_length = past + n
 
 
+@torch.no_grad()
+def keep_accepted_rows(cache: DynamicCache, past: int, keep: torch.Tensor) -> None:
+    """Batched keep_accepted: keep (B, m) node indices per row (padded by repeating; the caller marks padding
+    invalid). Row b's slots past + i become its entry past + keep[b, i]; the cache ends at past + m."""
+    b, m = keep.shape
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            kv = getattr(layer, name)  # (B, heads, past + T, head_dim)
+            index = (keep + past)[:, None, :, None].expand(b, kv.shape[1], m, kv.shape[3])
+            kv[:, :, past : past + m] = kv.gather(2, index)
+            setattr(layer, name, kv[:, :, : past + m])
+
+
 def crop_to(cache: DynamicCache, length: int) -> None:
     """Drop every entry past `length`."""
     for layer in cache.layers:

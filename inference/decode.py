@@ -27,6 +27,7 @@ class AcceptRule(Protocol):
 @dataclass
 class DecodeStats:
     tokens_per_step: list[int] = field(default_factory=list)  # new tokens per target forward; [0] is the prefill
+    rows_per_step: list[int] = field(default_factory=list)  # batched decoding: rows still running at each forward
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", "propose", "verify", "accept", "commit"), 0.0))
 
     @property
@@ -40,8 +41,8 @@ class DecodeStats:
 
     @property
     def mean_accepted(self) -> float:
-        """tau: new tokens per target forward (plain decoding: 1.0)."""
-        return self.new_tokens / max(self.steps, 1)
+        """tau: new tokens per target forward of one row (plain decoding: 1.0)."""
+        return self.new_tokens / max(sum(self.rows_per_step) if self.rows_per_step else self.steps, 1)
 
     @property
     def accept_histogram(self) -> list[int]:

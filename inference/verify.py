@@ -12,8 +12,11 @@ from ..tree.buffers import TreeBuffers
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # (T, V): the target's logits for the token after each input position
-    hidden: torch.Tensor  # (T, H): the LM head's input at each position
+    logits: torch.Tensor  # ([B,] T, V): the target's logits for the token after each input position
+    hidden: torch.Tensor  # ([B,] T, H): the LM head's input at each position
+
+    def row(self, b: int = 0) -> "TargetOutput":
+        return TargetOutput(self.logits[b], self.hidden[b])
 
 
 class Target:
@@ -42,12 +45,12 @@ class Target:
             hook.remove()
         if self._tap is None:
             raise RuntimeError(f"{type(self.model).__name__}'s forward did not call its LM head")
-        return TargetOutput(logits=out.logits[0], hidden=self._tap[0])
+        return TargetOutput(logits=out.logits, hidden=self._tap)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: DynamicCache) -> TargetOutput:
         """input_ids: (1, L). Fills the cache; returns logits and hidden state of the last position only."""
-        return self._run(input_ids=input_ids, cache=cache, logits_to_keep=1)
+        return self._run(input_ids=input_ids, cache=cache, logits_to_keep=1).row()
 
     @torch.no_grad()
     def verify(self, tokens: torch.Tensor, past: int, cache: DynamicCache, buffers: TreeBuffers) -> TargetOutput:
@@ -62,4 +65,26 @@ class Target:
             attention_mask=mask,
             position_ids=(buffers.depth + past)[None],
             cache=cache,
-        )
+        ).row()
+
+    @torch.no_grad()
+    def prefill_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache) -> TargetOutput:
+        """input_ids, attention_mask: (B, L), left-padded. Positions count real tokens only, as transformers'
+        generate does. Returns (B, 1, .) outputs at the last position."""
+        position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        return self._run(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         logits_to_keep=1)
+
+    @torch.no_grad()
+    def verify_batch(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: DynamicCache,
+                     buffers: TreeBuffers) -> TargetOutput:
+        """tokens: (B, T) one tree per row, appended at cache slot P = valid.shape[1] for every row; positions: (B,)
+        each row's root position; valid: (B, P) which cached slots hold that row's tokens (padding and the holes
+        left by shorter accepted paths do not)."""
+        b, t = tokens.shape
+        past = valid.shape[1]
+        dtype, low = self.model.dtype, torch.finfo(self.model.dtype).min
+        mask = torch.zeros(b, 1, t, past + t, dtype=dtype, device=tokens.device)
+        mask[..., :past].masked_fill_(~valid[:, None, None, :], low)
+        mask[..., past:].masked_fill_(~buffers.mask, low)
+        return self._run(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None] + buffers.depth[None], cache=cache)

@@ -17,6 +17,7 @@ from .checkpoint import (
 from .config import MedusaConfig
 from .heads import MedusaHeads
 from .inference.accept import TargetChoice, TypicalAcceptance
+from .inference.batch import decode_batch
 from .inference.decode import DecodeStats, decode
 from .inference.propose import Drafter, HeadsDrafter
 from .inference.sampling import build_processors, build_warpers
@@ -36,7 +37,7 @@ _IGNORED = {"transformers_version", "_from_model_config", "_commit_hash", "gener
 
 @dataclass
 class MedusaGenerateOutput:
-    sequences: torch.Tensor  # (1, prompt + new)
+    sequences: torch.Tensor  # (B, prompt + new); finished rows padded with pad_token_id
     stats: DecodeStats
 
 
@@ -151,7 +152,7 @@ class MedusaModel(nn.Module):
         generator: torch.Generator | None = None,
         **kwargs,
     ) -> torch.Tensor | MedusaGenerateOutput:
-        """Like transformers' generate (decoder-only, one sequence). Greedy output equals the base model's greedy
+        """Like transformers' generate (decoder-only; a batch is left-padded, with its attention_mask). Greedy output equals the base model's greedy
         output token for token, and sampled output follows the base model's distribution exactly, unless
         acceptance="typical" (Medusa's typical acceptance: faster, lossy)."""
         gc = self._generation_config(generation_config, kwargs)
@@ -159,10 +160,16 @@ class MedusaModel(nn.Module):
             raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty: give at least one prompt token")
-        if input_ids.shape[0] != 1:
-            raise NotImplementedError(f"batched generation is not supported yet: got batch size {input_ids.shape[0]}")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise NotImplementedError("attention_mask with padding is not supported yet (batch size 1 needs none)")
+        if attention_mask is None:  # as transformers infers it: padding is wherever pad_token_id sits, if not EOS
+            pad, eos_ids = gc.pad_token_id, gc.eos_token_id
+            eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
+            if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
+                attention_mask = (input_ids != pad).long()
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
+        batched = input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.all()))
+        if batched and streamer is not None:
+            raise ValueError("streamers take one sequence: batched generation (or a padded prompt) cannot stream")
         max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - input_ids.shape[1]
         if max_new < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
@@ -182,10 +189,22 @@ class MedusaModel(nn.Module):
         if self.tree_buffers.mask.device != device:  # the model was moved since the tree was set
             self.tree_buffers = self.tree_buffers.to(device)
         processors = build_processors(gc, input_ids.shape[1], logits_processor)
-        sequences, stats = decode(
-            self.target, drafter or HeadsDrafter(self.heads), self.tree_buffers, input_ids.to(device), max_new, rule, eos,
-            streamer, processors=processors, stopping=stopping_criteria,
-        )
+        drafter = drafter or HeadsDrafter(self.heads)
+        if batched:
+            first_eos = gc.eos_token_id if isinstance(gc.eos_token_id, int) else (list(gc.eos_token_id or []) or [None])[0]
+            pad = gc.pad_token_id if gc.pad_token_id is not None else first_eos  # transformers' fallback
+            if pad is None:
+                raise ValueError("batched generation needs pad_token_id (or eos_token_id) to pad finished rows")
+            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            sequences, stats = decode_batch(
+                self.target, drafter, self.tree_buffers, input_ids.to(device), mask.to(device), max_new, rule, eos, pad,
+                processors=processors, stopping=stopping_criteria,
+            )
+        else:
+            sequences, stats = decode(
+                self.target, drafter, self.tree_buffers, input_ids.to(device), max_new, rule, eos,
+                streamer, processors=processors, stopping=stopping_criteria,
+            )
         if gc.return_dict_in_generate:
             return MedusaGenerateOutput(sequences, stats)
         return sequences

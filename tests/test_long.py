@@ -1,0 +1,19 @@
+"""2,000 greedy tokens on the real model with the shipped heads stay identical to base.generate."""
+from __future__ import annotations
+
+import torch
+
+from medusa_heads import MedusaModel
+
+from conftest import chat_ids
+
+
+def test_two_thousand_greedy_tokens_equal_base_generate(real_base):
+    base, tok = real_base
+    ids = chat_ids(tok, "Write a very long story about a lighthouse keeper and the sea, with many chapters.")
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2000, do_sample=False, eos_token_id=None)
+    model = MedusaModel.from_pretrained(base)  # the shipped heads and their calibrated tree
+    res = model.generate(ids, max_new_tokens=2000, eos_token_id=None, return_dict_in_generate=True)
+    assert ref.shape[1] == ids.shape[1] + 2000
+    assert torch.equal(res.sequences, ref)
+    assert res.stats.mean_accepted > 1.2  # the heads do draft accepted tokens along the way
