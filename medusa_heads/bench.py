@@ -168,3 +168,89 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=100)
     plt.close(fig)
+
+
+def run_batch_bench(model, tokenizer, rows: list[PromptRow], batch_sizes: list[int], max_new_tokens: int = 128) -> dict:
+    """Greedy throughput of transformers' batched generate against MedusaModel on the same left-padded batches,
+    for each batch size; the same prompts (the first turns of as many rows as the largest size divides) for all
+    sizes, alternating which method goes first. Returns {"by_batch": {B: {...}}, "settings": {...}}."""
+    base = model.base_model
+    device = base.device
+    counter = ForwardCounter(base)
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    n = len(rows) // max(batch_sizes) * max(batch_sizes)
+    if n == 0:
+        raise ValueError(f"need at least {max(batch_sizes)} prompts for batch size {max(batch_sizes)}, got {len(rows)}")
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r.turns[0]}], tokenize=False, add_generation_prompt=True)
+             for r in rows[:n]]
+    e = model._generation_config(None, {}).eos_token_id
+    eos = set() if e is None else {e} if isinstance(e, int) else set(e)
+
+    def new_tokens(seq: torch.Tensor, width: int) -> int:
+        total = 0
+        for row in seq[:, width:].tolist():
+            total += next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        return total
+
+    warm = tokenizer(texts[:2], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    base.generate(**warm, max_new_tokens=4, do_sample=False, pad_token_id=pad)
+    model.generate(warm["input_ids"], attention_mask=warm["attention_mask"], max_new_tokens=4, pad_token_id=pad)
+    out = {}
+    for size in batch_sizes:
+        acc = {m: {"seconds": 0.0, "tokens": 0, "row_forwards": 0} for m in ("hf", "medusa")}
+        mismatches = 0
+        for i in tqdm(range(0, n, size), desc=f"batch {size}", unit="batch"):
+            enc = tokenizer(texts[i : i + size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            outs = {}
+            for m in (("hf", "medusa") if (i // size) % 2 == 0 else ("medusa", "hf")):
+                calls0, t0 = counter.calls, time.perf_counter()
+                if m == "hf":
+                    seq = base.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+                    rows_fwd = (counter.calls - calls0) * size
+                else:
+                    res = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=max_new_tokens,
+                                         pad_token_id=pad, return_dict_in_generate=True)
+                    seq, rows_fwd = res.sequences, sum(res.stats.rows_per_step) or res.stats.steps
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                acc[m]["seconds"] += time.perf_counter() - t0
+                acc[m]["tokens"] += new_tokens(seq, enc["input_ids"].shape[1])
+                acc[m]["row_forwards"] += rows_fwd
+                outs[m] = seq
+            mismatches += sum(not torch.equal(a, b) for a, b in zip(outs["hf"], outs["medusa"])) if outs["hf"].shape == outs["medusa"].shape else size
+        hf_tps = acc["hf"]["tokens"] / acc["hf"]["seconds"]
+        md_tps = acc["medusa"]["tokens"] / acc["medusa"]["seconds"]
+        out[size] = {"hf_tokens_per_s": hf_tps, "medusa_tokens_per_s": md_tps, "speedup_vs_hf": md_tps / hf_tps,
+                     "mean_accepted": acc["medusa"]["tokens"] / max(acc["medusa"]["row_forwards"], 1),
+                     "mismatched_rows": mismatches, "rows": n}
+    counter.handle.remove()
+    return {"by_batch": out, "settings": {"max_new_tokens": max_new_tokens, "prompts": n, "tree_nodes": model.tree.num_nodes,
+                                          "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype)}}
+
+
+def write_batch_results(result: dict, out: str | Path) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    lines = [f"# Batched greedy throughput ({result['settings']})", "",
+             "| batch | hf tokens/s | medusa tokens/s | speed-up | tau per row | mismatched rows |", "|---|---|---|---|---|---|"]
+    for b, r in result["by_batch"].items():
+        lines.append(f"| {b} | {r['hf_tokens_per_s']:.1f} | {r['medusa_tokens_per_s']:.1f} | {r['speedup_vs_hf']:.2f} | "
+                     f"{r['mean_accepted']:.2f} | {r['mismatched_rows']}/{r['rows']} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(result["by_batch"])
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot([int(s) for s in sizes], [result["by_batch"][s]["speedup_vs_hf"] for s in sizes], "o-")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speed-up vs transformers generate")
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=100)
+    plt.close(fig)

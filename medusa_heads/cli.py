@@ -212,12 +212,17 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
-    from .bench import run_bench, write_results
+    from .bench import run_batch_bench, run_bench, write_batch_results, write_results
     from .training.data import read_prompts
 
     torch.set_num_threads(args.threads)
     model, tok = _load_medusa(args)
     rows = read_prompts(args.prompts)[: args.limit]
+    if args.batch_sizes:
+        result = run_batch_bench(model, tok, rows, [int(b) for b in args.batch_sizes.split(",")], args.max_new_tokens)
+        write_batch_results(result, args.out)
+        print((__import__("pathlib").Path(args.out) / "results.md").read_text())
+        return
     methods = args.methods.split(",")
     if "hf" not in methods:
         methods = ["hf", *methods]
@@ -336,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--temperature", type=float, default=0.7)
     b.add_argument("--top-p", type=float, default=0.9)
     b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--batch-sizes", default=None, help="e.g. 1,4,8: batched greedy throughput, hf vs medusa, instead")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--out", default="results")
     b.set_defaults(fn=cmd_bench)

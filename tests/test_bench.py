@@ -56,3 +56,17 @@ def test_chat_cli_streams_replies_and_reports_tau(monkeypatch, capsys, real_base
     out = capsys.readouterr()
     assert out.out.count("> ") >= 2 and len(out.out) > 40  # two streamed replies
     assert out.err.count("tokens/s, tau") == 2
+
+
+def test_batch_bench_writes_tables_and_rows_match(tmp_path, real_base):
+    from medusa_heads.bench import run_batch_bench, write_batch_results
+
+    _, tok = real_base
+    base = tiny_model("llama", seed=2, vocab_size=len(tok))
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-8"))
+    rows = [PromptRow(str(i), [f"Prompt {'long ' * i}number {i}"]) for i in range(5)]
+    result = run_batch_bench(model, tok, rows, [1, 2, 4], max_new_tokens=6)
+    assert set(result["by_batch"]) == {1, 2, 4} and result["settings"]["prompts"] == 4
+    assert all(r["mismatched_rows"] == 0 and r["speedup_vs_hf"] > 0 for r in result["by_batch"].values())
+    write_batch_results(result, tmp_path)
+    assert (tmp_path / "speedup.png").stat().st_size > 1000 and "| 4 |" in (tmp_path / "results.md").read_text()
