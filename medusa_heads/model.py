@@ -73,6 +73,8 @@ class MedusaModel(nn.Module):
         if not isinstance(base, PreTrainedModel):
             base_kwargs.setdefault("dtype", torch.float32)
             base = AutoModelForCausalLM.from_pretrained(resolve_model(str(base)), **base_kwargs)
+        if heads not in ("auto", None) and (Path(heads) / "adapter" / "adapter_config.json").is_file():
+            base = _merge_adapter(base, Path(heads))
         base.eval()
         base.requires_grad_(False)
         target = Target(base)
@@ -212,6 +214,15 @@ class MedusaModel(nn.Module):
 
 def _unset(value) -> bool:
     return value is None or value is False or value == 0 or value == {} or value == []
+
+
+def _merge_adapter(base: PreTrainedModel, heads: Path) -> PreTrainedModel:
+    """Heads trained jointly with LoRA (Medusa-2) come with their adapter: merge it into `base` (in place), after
+    checking that the heads were trained for this base. Generation is then exact for the ADAPTED model."""
+    from peft import PeftModel
+
+    check_fingerprint(load_config(heads), base)
+    return PeftModel.from_pretrained(base, heads / "adapter").merge_and_unload()
 
 
 def _shipped_heads_for(base: PreTrainedModel) -> Path | None:

@@ -336,3 +336,69 @@ def test_kill_9_of_distill_mid_line_then_rerun_loses_and_repeats_nothing(tmp_pat
     assert sorted(ids) == sorted(r.id for r in rows)  # nothing lost, nothing twice
     segs = load_segments(tmp_path / "features", keep_ids=set(ids))
     assert sorted(s.id for s in segs) == sorted(f"{r.id}#0" for r in rows)
+
+
+# ---- Medusa-2: heads trained jointly with LoRA adapters on the target ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def joint_data(tmp_path_factory, real_base):
+    """A tiny base with the real tokenizer, saved as an HF directory, and 12 answers it distilled itself."""
+    from medusa_heads.training import distill as distill_mod
+
+    _, tok = real_base
+    root = tmp_path_factory.mktemp("joint")
+    tiny_model("llama", seed=1, vocab_size=len(tok)).save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about number {i}."}) + "\n" for i in range(12)))
+    base = tiny_model("llama", seed=1, vocab_size=len(tok))
+    distill_mod.distill(base, tok, read_prompts(prompts), root / "d.jsonl", max_new_tokens=24, batch_size=6)
+    return root
+
+
+def joint_recipe(root, out, **kw) -> TrainRecipe:
+    return TrainRecipe(**{**dict(model=str(root / "base"), data=str(root / "d.jsonl"), out=str(out),
+                                 num_heads=2, draft_vocab_size=256, max_steps=8, batch_size=4, warmup_steps=1, lr=3e-3,
+                                 eval_every=4, save_every=4, eval_fraction=0.2, tree="cpu-8", condition="path",
+                                 lora_rank=4, lora_lr=1e-2, lm_weight=1.0, kl_weight=0.1), **kw})
+
+
+def test_joint_lora_training_saves_heads_with_their_adapter_and_generation_is_exact_for_the_adapted_model(joint_data, tmp_path):
+    from peft import PeftModel
+
+    out = train(joint_recipe(joint_data, tmp_path / "joint"))
+    assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "heads.safetensors").is_file()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    evals = [x for x in log if x["kind"] == "eval"]
+    assert evals[-1]["kl_to_frozen"] > 0  # the adapters did move the target
+    base = tiny_model("llama", seed=1, vocab_size=49152)
+    model = MedusaModel.from_pretrained(base, heads=out)  # merges the adapter into base
+    adapted = PeftModel.from_pretrained(tiny_model("llama", seed=1, vocab_size=49152), out / "adapter").merge_and_unload()
+    original = tiny_model("llama", seed=1, vocab_size=49152)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    ref = adapted.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=24), ref)
+    first = {n: p for n, p in original.named_parameters()}
+    assert any(not torch.equal(p, first[n]) for n, p in adapted.named_parameters()), "the adapter must change the target"
+
+
+def test_joint_training_resumes_heads_and_adapter_exactly(joint_data, tmp_path, monkeypatch):
+    full = train(joint_recipe(joint_data, tmp_path / "full", max_steps=6, save_every=2, eval_every=6))
+    real_save, calls = trainer_mod.save_checkpoint, []
+
+    def crash_after_second_checkpoint(*args, **kwargs):
+        real_save(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    import medusa_heads.training.joint as joint_mod
+
+    monkeypatch.setattr(joint_mod, "save_checkpoint", crash_after_second_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        train(joint_recipe(joint_data, tmp_path / "cut", max_steps=6, save_every=2, eval_every=6))
+    monkeypatch.setattr(joint_mod, "save_checkpoint", real_save)
+    cut = train(joint_recipe(joint_data, tmp_path / "cut", max_steps=6, save_every=2, eval_every=6), resume=True)
+    for name in ("heads.safetensors", "adapter/adapter_model.safetensors"):
+        a, b = load_file(full / name), load_file(cut / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -31,6 +31,16 @@ class TrainRecipe:
     mixed_precision: str = "no"  # "no" (fp32) or "bf16", through accelerate
     seed: int = 0  # data order
     tree: str = "cpu-16"  # tree preset written into the heads' config (calibrate can replace it)
+    # Medusa-2 (joint training): lora_rank > 0 trains peft LoRA adapters on the target together with the heads,
+    # from the conversations themselves (no cached features: the target runs every step). Loss = heads' loss
+    # + lm_weight * CE(target, distilled tokens) + kl_weight * KL(frozen target || adapted target), answers only.
+    lora_rank: int = 0  # 0: Medusa-1, the target stays frozen
+    lora_alpha: float = 16.0  # LoRA scaling numerator (scale = alpha / rank)
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # comma-separated module names that get adapters
+    lora_lr: float = 1e-4  # AdamW learning rate of the adapters (the heads use lr)
+    lm_weight: float = 0.0  # weight of the target's own LM loss on the distilled answers
+    kl_weight: float = 1.0  # weight of the KL to the frozen target (keeps the adapted model's outputs close)
+    max_length: int = 512  # tokens per conversation in joint training
 
     def __post_init__(self) -> None:
         from ..config import CONDITIONS
@@ -39,6 +49,8 @@ class TrainRecipe:
             raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}, got {self.condition!r}")
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
         for name in ("num_heads", "max_steps", "batch_size", "grad_accum", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -104,10 +104,14 @@ def evaluate(heads: MedusaHeads, split: Split, decay: float, chunk: int = 4096) 
 
 # ---- checkpoints: safetensors + JSON only, written to a temporary folder and renamed -------------------------------
 
-def save_checkpoint(folder: Path, heads: MedusaHeads, optimizer, scheduler, step: int, recipe: TrainRecipe) -> None:
+def save_checkpoint(folder: Path, heads: MedusaHeads, optimizer, scheduler, step: int, recipe: TrainRecipe,
+                    adapter: dict[str, torch.Tensor] | None = None) -> None:
+    """Heads, optimizer and scheduler state (and a LoRA adapter's tensors in joint training), all or nothing."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_heads(tmp, heads)
+    if adapter is not None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, tmp / "adapter.safetensors")
     state = optimizer.state_dict()
     tensors = {f"state.{i}.{name}": v.detach().cpu() for i, s in state["state"].items() for name, v in s.items()}
     save_file(tensors or {"empty": torch.zeros(0)}, tmp / "optimizer.safetensors")
@@ -161,13 +165,8 @@ def plot_log(log_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def train(recipe: TrainRecipe, resume: bool = False) -> Path:
-    """Train heads per the recipe; returns the heads directory. Rerun with resume=True after an interruption."""
-    from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
-
-    from ..models import resolve_model
-
+def prepare_output(recipe: TrainRecipe, resume: bool) -> tuple[Path, Path]:
+    """The output and checkpoint folders, refused before any work if unwritable or already used without --resume."""
     out = Path(recipe.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -179,6 +178,21 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
     ckpt = out / "checkpoint"
     if ckpt.exists() and not resume:
         raise ValueError(f"{ckpt} exists: pass --resume to continue that run, or choose another --out")
+    return out, ckpt
+
+
+def train(recipe: TrainRecipe, resume: bool = False) -> Path:
+    """Train heads per the recipe; returns the heads directory. Rerun with resume=True after an interruption."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+
+    from ..models import resolve_model
+
+    if recipe.lora_rank > 0:
+        from .joint import train_joint
+
+        return train_joint(recipe, resume)
+    out, ckpt = prepare_output(recipe, resume)
 
     accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum)
     base = AutoModelForCausalLM.from_pretrained(resolve_model(recipe.model), dtype=torch.float32)

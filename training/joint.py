@@ -1,0 +1,214 @@
+"""Medusa-2: train the heads jointly with peft LoRA adapters on the target (lora_rank > 0 in the recipe).
+
+The target runs on every step (no cached features): its hidden states now move with the adapters. The loss is
+the heads' Medusa loss + lm_weight * the target's CE on the distilled answers + kl_weight * KL(frozen target ||
+adapted target), on answer tokens only. The output is a heads directory with the adapter in `adapter/`;
+MedusaModel.from_pretrained merges it into the base, and generation is then lossless with respect to the
+ADAPTED model (not the original one)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from ..checkpoint import base_fingerprint, save_heads
+from ..config import MedusaConfig
+from ..heads import MedusaHeads
+from .data import read_conversations, tokenize_conversation
+from .features import Segment
+from .loss import IGNORE, medusa_loss
+from .recipe import TrainRecipe
+from .trainer import OOV, build_split, choose_draft_vocab, evaluate, is_eval, load_checkpoint, plot_log, prepare_output, save_checkpoint
+
+ADAPTER_DIR = "adapter"
+
+
+def answer_segments(conv_id: str, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor | None) -> list[Segment]:
+    """One Segment per assistant turn: hidden[p] (the LM-head input at p) produced ids[p + 1]."""
+    out, p, n = [], 1, ids.shape[0]
+    while p < n:
+        if mask[p] and not mask[p - 1]:
+            end = p
+            while end < n and mask[end]:
+                end += 1
+            h = hidden[p - 1 : end - 1] if hidden is not None else None
+            out.append(Segment(f"{conv_id}#{len(out)}", h, ids[p:end]))
+            p = end
+        else:
+            p += 1
+    return out
+
+
+class _Tap:
+    def __init__(self, lm_head) -> None:
+        self.value = None
+        self.handle = lm_head.register_forward_pre_hook(lambda m, args: setattr(self, "value", args[0]))
+
+
+def _forward(model, tap: _Tap, batch: list[tuple[str, torch.Tensor, torch.Tensor]], device):
+    """Right-padded forward of the adapted model, and of the frozen one (adapters off, no grad), at the answer-
+    predicting positions. Returns (adapted logits (N, V), frozen logits (N, V), hidden (B, L, H), rows, cols)."""
+    width = max(ids.shape[0] for _, ids, _ in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, (_, x, _) in enumerate(batch):
+        ids[b, : x.shape[0]], attn[b, : x.shape[0]] = x, 1
+    ids, attn = ids.to(device), attn.to(device)
+    rows, cols = _positions(batch)
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    hidden = tap.value
+    with torch.no_grad(), _unwrap(model).disable_adapter():
+        frozen = model(input_ids=ids, attention_mask=attn).logits[rows, cols].float()
+    return logits[rows, cols].float(), frozen, hidden, rows, cols
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def _kl(adapted: torch.Tensor, frozen: torch.Tensor, reduction: str = "batchmean") -> torch.Tensor:
+    """KL(frozen || adapted) per position."""
+    return F.kl_div(F.log_softmax(adapted, -1), F.log_softmax(frozen, -1), log_target=True, reduction=reduction)
+
+
+def _positions(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, position) of every answer-predicting position: hidden at p predicts answer token p + 1."""
+    rows, cols = [], []
+    for b, (_, ids, mask) in enumerate(batch):
+        p = (mask[1:]).nonzero()[:, 0]
+        rows.append(torch.full_like(p, b))
+        cols.append(p)
+    return torch.cat(rows), torch.cat(cols)
+
+
+def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
+    from accelerate import Accelerator
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
+
+    from ..models import resolve_model
+
+    out, ckpt = prepare_output(recipe, resume)
+    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum)
+    if accelerator.num_processes > 1:
+        raise NotImplementedError("joint (LoRA) training runs in one process; Medusa-1 training runs distributed")
+    path = resolve_model(recipe.model)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    fingerprint = base_fingerprint(base)
+    lm_weight = base.get_output_embeddings().weight.detach()
+    embed_weight = base.get_input_embeddings().weight.detach()
+
+    seqs = []
+    for conv in read_conversations(recipe.data):
+        ids, mask = tokenize_conversation(tokenizer, conv["messages"], recipe.max_length)
+        if mask[1:].any():
+            seqs.append((conv["id"], ids, mask))
+    if not seqs:
+        raise ValueError(f"no answers to train on in {recipe.data}")
+    train_seqs = [s for s in seqs if not is_eval(s[0], recipe.eval_fraction)]
+    eval_seqs = [s for s in seqs if is_eval(s[0], recipe.eval_fraction)]
+    vocab = choose_draft_vocab([seg for c, i, m in train_seqs for seg in answer_segments(c, i, m, None)],
+                               recipe.draft_vocab_size, lm_weight.shape[0])
+    index = torch.full((lm_weight.shape[0],), OOV, dtype=torch.long)
+    index[torch.tensor(vocab)] = torch.arange(len(vocab))
+
+    config = MedusaConfig(
+        num_heads=recipe.num_heads, num_layers=recipe.num_layers, condition=recipe.condition, hidden_size=lm_weight.shape[1],
+        vocab_size=lm_weight.shape[0], draft_vocab=None if len(vocab) == lm_weight.shape[0] else vocab,
+        tree=recipe.tree, base_fingerprint=fingerprint,
+    )
+    torch.manual_seed(recipe.seed)
+    heads = MedusaHeads(config, lm_weight, embed_weight)
+    lora = LoraConfig(r=recipe.lora_rank, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
+                      target_modules=[t.strip() for t in recipe.lora_targets.split(",") if t.strip()])
+    model = get_peft_model(base, lora)
+    adapter_params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": list(heads.parameters()), "lr": recipe.lr},
+                                   {"params": adapter_params, "lr": recipe.lora_lr}], weight_decay=recipe.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, recipe.warmup_steps, recipe.max_steps)
+    step = 0
+    if resume and ckpt.exists():
+        step = load_checkpoint(ckpt, heads, optimizer, scheduler)
+        set_peft_model_state_dict(model, load_file(ckpt / "adapter.safetensors"))
+    model, heads, optimizer, scheduler = accelerator.prepare(model, heads, optimizer, scheduler)
+    device = accelerator.device
+    tap = _Tap(accelerator.unwrap_model(model).get_output_embeddings())
+
+    def losses(batch) -> tuple[torch.Tensor, dict]:
+        adapted, frozen, hidden, rows, cols = _forward(model, tap, batch, device)
+        segments = [seg for b, (c, i, m) in enumerate(batch) for seg in answer_segments(c, i, m, hidden[b])]
+        split = build_split(segments, recipe.num_heads, index, config.context_size)
+        t = split.targets
+        head_loss, _ = medusa_loss(heads(split.hidden.float(), split.context.to(device)), t.masked_fill(t == OOV, IGNORE).to(device), recipe.decay)
+        ids = torch.stack([batch[b][1][c + 1] for b, c in zip(rows.tolist(), cols.tolist())]).to(device)
+        lm = F.cross_entropy(adapted, ids)
+        kl = _kl(adapted, frozen)
+        total = head_loss + recipe.lm_weight * lm + recipe.kl_weight * kl
+        return total, {"heads": float(head_loss.detach()), "lm": float(lm.detach()), "kl": float(kl.detach())}
+
+    log_path = out / "train_log.jsonl"
+    if step == 0:
+        log_path.write_text(json.dumps({"kind": "data", "conversations": len(seqs), "train_conversations": len(train_seqs),
+                                        "eval_conversations": len(eval_seqs), "draft_vocab": len(vocab), "joint": True}) + "\n")
+    per_step = recipe.batch_size
+    steps_per_epoch = max(len(train_seqs) // per_step, 1)
+    bar = tqdm(total=recipe.max_steps, initial=step, desc="train (joint)")
+    t0 = time.time()
+    while step < recipe.max_steps:
+        epoch, pos = divmod(step * recipe.grad_accum, steps_per_epoch)
+        perm = torch.randperm(len(train_seqs), generator=torch.Generator().manual_seed(recipe.seed * 100_003 + epoch))
+        for micro in range(recipe.grad_accum):
+            p = (pos + micro) % steps_per_epoch
+            batch = [train_seqs[i] for i in perm[p * per_step : (p + 1) * per_step].tolist()]
+            with accelerator.accumulate(model, heads):
+                loss, parts = losses(batch)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}; the last good checkpoint is {ckpt}")
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        step += 1
+        bar.update(1)
+        loss = float(loss.detach())
+        bar.set_postfix(loss=f"{loss:.3f}", kl=f"{parts['kl']:.4f}")
+        if step % recipe.eval_every == 0 or step == recipe.max_steps:
+            metrics = evaluate_joint(model, tap, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device)
+            with log_path.open("a") as f:
+                f.write(json.dumps({"kind": "train", "step": step, "loss": loss, **parts, "seconds": time.time() - t0}) + "\n")
+                f.write(json.dumps({"kind": "eval", "step": step, **metrics}) + "\n")
+            plot_log(log_path, out / "train_plot.png")
+            accelerator.print(f"step {step}: " + " ".join(f"head{i + 1} top1 {metrics[f'top1_{i + 1}']:.3f}" for i in range(recipe.num_heads)))
+        if step % recipe.save_every == 0 or step == recipe.max_steps:
+            save_checkpoint(ckpt, accelerator.unwrap_model(heads), optimizer, scheduler, step, recipe,
+                            adapter=get_peft_model_state_dict(accelerator.unwrap_model(model)))
+    bar.close()
+    final = accelerator.unwrap_model(heads)
+    final.config.extra = {"recipe": recipe.to_dict(), "adapter": ADAPTER_DIR,
+                          "final_eval": evaluate_joint(model, tap, final, eval_seqs or train_seqs[:8], index, recipe, device)}
+    save_heads(out, final, final.config)
+    accelerator.unwrap_model(model).save_pretrained(out / ADAPTER_DIR, safe_serialization=True)
+    return out
+
+
+@torch.no_grad()
+def evaluate_joint(model, tap: _Tap, heads: MedusaHeads, seqs, index: torch.Tensor, recipe: TrainRecipe, device) -> dict:
+    """Held-out heads accuracy on the adapted model's hidden states, and its KL to the frozen target."""
+    segments, kl_sum, n = [], 0.0, 0
+    for i in range(0, len(seqs), recipe.batch_size):
+        batch = seqs[i : i + recipe.batch_size]
+        adapted, frozen, hidden, rows, _ = _forward(model, tap, batch, device)
+        kl_sum += float(_kl(adapted, frozen, "sum"))
+        n += rows.shape[0]
+        segments += [Segment(s.id, s.hidden.cpu(), s.tokens) for b, (c, ids, m) in enumerate(batch) for s in answer_segments(c, ids, m, hidden[b])]
+    split = build_split(segments, recipe.num_heads, index, heads.config.context_size)
+    metrics = evaluate(heads, split, recipe.decay)
+    metrics["kl_to_frozen"] = kl_sum / max(n, 1)
+    metrics["loss"] = sum(recipe.decay**k * metrics[f"ce_{k + 1}"] for k in range(recipe.num_heads))  # heads' loss
+    return metrics
