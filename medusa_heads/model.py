@@ -175,6 +175,10 @@ class MedusaModel(nn.Module):
         max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - input_ids.shape[1]
         if max_new < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        context = getattr(self.base_model.config, "max_position_embeddings", None)
+        if context is not None and input_ids.shape[1] > context:
+            raise ValueError(f"the prompt has {input_ids.shape[1]} tokens, more than the model's context of {context} "
+                             f"(max_position_embeddings); shorten it")
         eos = gc.eos_token_id
         eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 

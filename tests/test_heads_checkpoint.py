@@ -131,6 +131,8 @@ def test_bad_generate_input():
         model.set_tree([[0], [0, 0], [0, 0, 0]])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         MedusaModel.from_pretrained(base, heads="/nonexistent/heads")
+    with pytest.raises(ValueError, match="the prompt has 513 tokens, more than the model's context of 512"):
+        model.generate(torch.ones(1, 513, dtype=torch.long), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("own", [False, True])
