@@ -65,10 +65,12 @@ def decode_batch(
 
     while not all(s.done for s in states):
         t0 = clock()
-        trees = torch.stack([
-            torch.cat([s.sequence[s.length - 1 : s.length], drafter.draft(s.hidden, s.sequence[: s.length], buffers)])
-            for s in states
-        ])  # (B, T); finished rows ride along and are dropped below
+        roots = torch.stack([s.sequence[s.length - 1] for s in states])
+        if hasattr(drafter, "draft_batch"):  # every row in one pass
+            drafts = drafter.draft_batch(torch.stack([s.hidden for s in states]), roots, buffers)
+        else:
+            drafts = torch.stack([drafter.draft(s.hidden, s.sequence[: s.length], buffers) for s in states])
+        trees = torch.cat([roots[:, None], drafts], dim=1)  # (B, T); finished rows ride along and are dropped below
         t1 = clock()
         out = target.verify_batch(trees, positions, valid, cache, buffers)
         t2 = clock()

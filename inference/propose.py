@@ -26,13 +26,18 @@ class HeadsDrafter:
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
+        return self.draft_batch(hidden[None], sequence[-1:], buffers)[0]
+
+    @torch.no_grad()
+    def draft_batch(self, hidden: torch.Tensor, roots: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
+        """hidden: (B, H); roots: (B,) each row's root token. Returns (B, N): every row's tree in one pass."""
         if self.heads.config.condition != "path":
-            top = self.heads.topk(hidden, buffers.topk, context=sequence[-1:])  # (K, topk)
-            return top.reshape(-1)[buffers.draft_index]
-        tokens = torch.empty(buffers.size, dtype=torch.long, device=hidden.device)
-        tokens[0] = sequence[-1]
+            top = self.heads.topk(hidden, buffers.topk, context=roots[:, None])  # (K, B, topk)
+            return top.transpose(0, 1).reshape(hidden.shape[0], -1)[:, buffers.draft_index]
+        tokens = torch.empty(hidden.shape[0], buffers.size, dtype=torch.long, device=hidden.device)
+        tokens[:, 0] = roots
         for d, (chains, nodes, row, rank) in enumerate(buffers.levels):
-            h = hidden.expand(chains.shape[0], -1)
-            top = self.heads.head_topk(d, h, buffers.topk, context=tokens[chains])  # (parents, topk)
-            tokens[nodes] = top[row, rank]
-        return tokens[1:]
+            h = hidden[:, None].expand(-1, chains.shape[0], -1)
+            top = self.heads.head_topk(d, h, buffers.topk, context=tokens[:, chains])  # (B, parents, topk)
+            tokens[:, nodes] = top[:, row, rank]
+        return tokens[:, 1:]

@@ -119,3 +119,14 @@ def test_batched_sampling_is_exact():
         accepted += res.stats.steps < 3
     assert accepted > 50
     assert p_value(law, counts) > 1e-3
+
+
+@pytest.mark.parametrize("condition", ["none", "root", "path"])
+def test_drafting_a_batch_equals_drafting_each_row(condition):
+    from medusa_heads.inference.propose import HeadsDrafter
+
+    model = randomize_heads(MedusaModel.from_pretrained(tiny_model("llama"), heads=None, condition=condition, tree="cpu-32"))
+    drafter, h, roots = HeadsDrafter(model.heads), 0.1 * torch.randn(5, 32), torch.tensor([3, 1, 4, 1, 5])
+    batch = drafter.draft_batch(h, roots, model.tree_buffers)
+    rows = torch.stack([drafter.draft(h[b], torch.tensor([7, int(roots[b])]), model.tree_buffers) for b in range(5)])
+    assert torch.equal(batch, rows) and batch.shape == (5, model.tree.num_nodes)

@@ -42,7 +42,7 @@ def test_random_heads_match_greedy(arch):
         ids = torch.randint(0, 96, (1, 5 + 3 * seed), generator=torch.Generator().manual_seed(seed))
         # An explicit mask: else transformers infers padding wherever the prompt holds pad_token_id.
         ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
-        out = model.generate(ids, max_new_tokens=40)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40)
         assert torch.equal(out, ref), f"{arch}, prompt {seed}"
 
 
