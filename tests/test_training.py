@@ -381,6 +381,9 @@ def test_joint_lora_training_saves_heads_with_their_adapter_and_generation_is_ex
     first = {n: p for n, p in original.named_parameters()}
     assert any(not torch.equal(p, first[n]) for n, p in adapted.named_parameters()), "the adapter must change the target"
 
+    stage2 = train(joint_recipe(joint_data, tmp_path / "stage2", max_steps=2, init_heads=str(out)))  # from trained heads
+    assert MedusaModel.from_pretrained(tiny_model("llama", seed=1, vocab_size=49152), heads=stage2).config.draft_vocab == model.config.draft_vocab
+
 
 def test_joint_training_resumes_heads_and_adapter_exactly(joint_data, tmp_path, monkeypatch):
     full = train(joint_recipe(joint_data, tmp_path / "full", max_steps=6, save_every=2, eval_every=6))

@@ -124,7 +124,20 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
         tree=recipe.tree, base_fingerprint=fingerprint,
     )
     torch.manual_seed(recipe.seed)
-    heads = MedusaHeads(config, lm_weight, embed_weight)
+    if recipe.init_heads:  # stage 2 of Medusa-2: heads trained on the frozen target first
+        from ..checkpoint import check_fingerprint, load_config, load_heads
+
+        config = load_config(recipe.init_heads)
+        check_fingerprint(config, base)
+        if (config.num_heads, config.condition) != (recipe.num_heads, recipe.condition):
+            raise ValueError(f"init_heads {recipe.init_heads} has num_heads={config.num_heads}, condition={config.condition!r}; "
+                             f"the recipe says num_heads={recipe.num_heads}, condition={recipe.condition!r}")
+        heads = load_heads(recipe.init_heads, lm_weight, config, embed_weight)
+        vocab = config.draft_vocab or list(range(lm_weight.shape[0]))
+        index = torch.full((lm_weight.shape[0],), OOV, dtype=torch.long)
+        index[torch.tensor(vocab)] = torch.arange(len(vocab))
+    else:
+        heads = MedusaHeads(config, lm_weight, embed_weight)
     lora = LoraConfig(r=recipe.lora_rank, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
                       target_modules=[t.strip() for t in recipe.lora_targets.split(",") if t.strip()])
     model = get_peft_model(base, lora)

@@ -41,6 +41,7 @@ class TrainRecipe:
     lm_weight: float = 0.0  # weight of the target's own LM loss on the distilled answers
     kl_weight: float = 1.0  # weight of the KL to the frozen target (keeps the adapted model's outputs close)
     max_length: int = 512  # tokens per conversation in joint training
+    init_heads: str = ""  # joint training: start from these trained heads (Medusa-2's two stages); "" = new heads
 
     def __post_init__(self) -> None:
         from ..config import CONDITIONS
