@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ..tree.buffers import TreeBuffers
+from .tap import LMHeadTap
 
 
 @dataclass
@@ -27,25 +28,13 @@ class Target:
         params = inspect.signature(model.forward).parameters
         # transformers 5.24 renames `past_key_values` to `cache` (the old name still works, with a warning).
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.lm_head = model.get_output_embeddings()
-        if self.lm_head is None:
-            raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to read hidden states from")
-        self._tap: torch.Tensor | None = None
-
-    def _record(self, module: torch.nn.Module, args: tuple) -> None:
-        self._tap = args[0]
+        self.lm_head = LMHeadTap(model).lm_head  # raises for a model without one
 
     def _run(self, **kwargs) -> TargetOutput:
         kwargs[self.cache_kw] = kwargs.pop("cache")
-        self._tap = None
-        hook = self.lm_head.register_forward_pre_hook(self._record)  # only for our own calls
-        try:
+        with LMHeadTap(self.model) as tap:  # only for our own calls
             out = self.model(use_cache=True, return_dict=True, **kwargs)
-        finally:
-            hook.remove()
-        if self._tap is None:
-            raise RuntimeError(f"{type(self.model).__name__}'s forward did not call its LM head")
-        return TargetOutput(logits=out.logits, hidden=self._tap)
+        return TargetOutput(logits=out.logits, hidden=tap.first())
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: DynamicCache) -> TargetOutput:

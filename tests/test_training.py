@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from medusa_heads import MedusaModel
 from medusa_heads.training import trainer as trainer_mod
 from medusa_heads.training.data import append_conversations, read_conversations, read_prompts
-from medusa_heads.training.features import LMHeadTap, Segment, next_shard_path, write_shard
+from medusa_heads.inference.tap import LMHeadTap
+from medusa_heads.training.features import Segment, next_shard_path, write_shard
 from medusa_heads.training.recipe import TrainRecipe
 from medusa_heads.training.trainer import train
 
@@ -26,7 +27,7 @@ def tiny_data(tmp_path_factory):
     convs, segments = [], []
     for i in range(24):
         ids = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(i))
-        with LMHeadTap(base) as tap:
+        with LMHeadTap(base, last_only=True) as tap:
             out = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
         new = out[0, 4:]
         segments.append(Segment(f"c{i}#0", tap.hidden()[0], new))

@@ -9,7 +9,8 @@ import torch
 from tqdm import tqdm
 
 from .data import PromptRow, append_conversations, batches, read_conversations
-from .features import LMHeadTap, Segment, next_shard_path, write_shard
+from ..inference.tap import LMHeadTap
+from .features import Segment, next_shard_path, write_shard
 
 
 @torch.no_grad()
@@ -71,7 +72,7 @@ def distill(
                 texts = [tokenizer.apply_chat_template(convs[i], tokenize=False, add_generation_prompt=True) for i in alive]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             torch.manual_seed(seed + zlib.crc32(group[alive[0]].id.encode()))  # same draws on a rerun
-            with LMHeadTap(model) as tap:
+            with LMHeadTap(model, last_only=True) as tap:
                 if medusa is not None:
                     gen = medusa.generate(enc["input_ids"], max_new_tokens=max_new_tokens, **sample)
                 else:

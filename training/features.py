@@ -62,25 +62,6 @@ def load_segments(folder: str | os.PathLike, keep_ids: set[str] | None = None) -
     return out
 
 
-class LMHeadTap:
-    """Context manager: records the LM head's input at the last position of every forward call."""
-
-    def __init__(self, model) -> None:
-        self.lm_head = model.get_output_embeddings()
-        self.steps: list[torch.Tensor] = []
-
-    def __enter__(self) -> "LMHeadTap":
-        self.handle = self.lm_head.register_forward_pre_hook(lambda m, args: self.steps.append(args[0][:, -1].to(torch.bfloat16)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
-
-    def hidden(self) -> torch.Tensor:
-        """(B, steps, H)."""
-        return torch.stack(self.steps, dim=1)
-
-
 @torch.no_grad()
 def features_from_conversations(model, tokenizer, conversations: list[dict], folder: str | os.PathLike,
                                 max_length: int = 2048, per_shard: int = 64) -> int:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ..checkpoint import base_fingerprint, save_heads
 from ..config import MedusaConfig
 from ..heads import MedusaHeads
+from ..inference.tap import LMHeadTap
 from .data import read_conversations, tokenize_conversation
 from .features import Segment
 from .loss import IGNORE, medusa_loss
@@ -44,13 +45,7 @@ def answer_segments(conv_id: str, ids: torch.Tensor, mask: torch.Tensor, hidden:
     return out
 
 
-class _Tap:
-    def __init__(self, lm_head) -> None:
-        self.value = None
-        self.handle = lm_head.register_forward_pre_hook(lambda m, args: setattr(self, "value", args[0]))
-
-
-def _forward(model, tap: _Tap, batch: list[tuple[str, torch.Tensor, torch.Tensor]], device):
+def _forward(model, batch: list[tuple[str, torch.Tensor, torch.Tensor]], device):
     """Right-padded forward of the adapted model, and of the frozen one (adapters off, no grad), at the answer-
     predicting positions. Returns (adapted logits (N, V), frozen logits (N, V), hidden (B, L, H), rows, cols)."""
     width = max(ids.shape[0] for _, ids, _ in batch)
@@ -60,8 +55,9 @@ def _forward(model, tap: _Tap, batch: list[tuple[str, torch.Tensor, torch.Tensor
         ids[b, : x.shape[0]], attn[b, : x.shape[0]] = x, 1
     ids, attn = ids.to(device), attn.to(device)
     rows, cols = _positions(batch)
-    logits = model(input_ids=ids, attention_mask=attn).logits
-    hidden = tap.value
+    with LMHeadTap(_unwrap(model)) as tap:
+        logits = model(input_ids=ids, attention_mask=attn).logits
+    hidden = tap.first()
     with torch.no_grad(), _unwrap(model).disable_adapter():
         frozen = model(input_ids=ids, attention_mask=attn).logits[rows, cols].float()
     return logits[rows, cols].float(), frozen, hidden, rows, cols
@@ -151,10 +147,9 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
         set_peft_model_state_dict(model, load_file(ckpt / "adapter.safetensors"))
     model, heads, optimizer, scheduler = accelerator.prepare(model, heads, optimizer, scheduler)
     device = accelerator.device
-    tap = _Tap(accelerator.unwrap_model(model).get_output_embeddings())
 
     def losses(batch) -> tuple[torch.Tensor, dict]:
-        adapted, frozen, hidden, rows, cols = _forward(model, tap, batch, device)
+        adapted, frozen, hidden, rows, cols = _forward(model, batch, device)
         segments = [seg for b, (c, i, m) in enumerate(batch) for seg in answer_segments(c, i, m, hidden[b])]
         split = build_split(segments, recipe.num_heads, index, config.context_size)
         t = split.targets
@@ -192,7 +187,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
         loss = float(loss.detach())
         bar.set_postfix(loss=f"{loss:.3f}", kl=f"{parts['kl']:.4f}")
         if step % recipe.eval_every == 0 or step == recipe.max_steps:
-            metrics = evaluate_joint(model, tap, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device)
+            metrics = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device)
             with log_path.open("a") as f:
                 f.write(json.dumps({"kind": "train", "step": step, "loss": loss, **parts, "seconds": time.time() - t0}) + "\n")
                 f.write(json.dumps({"kind": "eval", "step": step, **metrics}) + "\n")
@@ -204,19 +199,19 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     bar.close()
     final = accelerator.unwrap_model(heads)
     final.config.extra = {"recipe": recipe.to_dict(), "adapter": ADAPTER_DIR,
-                          "final_eval": evaluate_joint(model, tap, final, eval_seqs or train_seqs[:8], index, recipe, device)}
+                          "final_eval": evaluate_joint(model, final, eval_seqs or train_seqs[:8], index, recipe, device)}
     save_heads(out, final, final.config)
     accelerator.unwrap_model(model).save_pretrained(out / ADAPTER_DIR, safe_serialization=True)
     return out
 
 
 @torch.no_grad()
-def evaluate_joint(model, tap: _Tap, heads: MedusaHeads, seqs, index: torch.Tensor, recipe: TrainRecipe, device) -> dict:
+def evaluate_joint(model, heads: MedusaHeads, seqs, index: torch.Tensor, recipe: TrainRecipe, device) -> dict:
     """Held-out heads accuracy on the adapted model's hidden states, and its KL to the frozen target."""
     segments, kl_sum, n = [], 0.0, 0
     for i in range(0, len(seqs), recipe.batch_size):
         batch = seqs[i : i + recipe.batch_size]
-        adapted, frozen, hidden, rows, _ = _forward(model, tap, batch, device)
+        adapted, frozen, hidden, rows, _ = _forward(model, batch, device)
         kl_sum += float(_kl(adapted, frozen, "sum"))
         n += rows.shape[0]
         segments += [Segment(s.id, s.hidden.cpu(), s.tokens) for b, (c, ids, m) in enumerate(batch) for s in answer_segments(c, ids, m, hidden[b])]
