@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from medusa_heads.tree import TreeSpec, build_buffers, list_presets, load_tree
-from medusa_heads.tree.calibrate import expected_accepted, greedy_tree
+from medusa_heads.tree.calibrate import best_tree, rank_paths, tree_value
 
 
 def test_buffers_of_a_small_tree():
@@ -79,16 +79,20 @@ def test_presets_load_and_are_valid():
     assert load_tree("cpu-16").num_nodes == 16 and load_tree("gpu-64").num_nodes == 64
 
 
-def test_greedy_tree_is_optimal_against_brute_force():
-    acc = [[0.5, 0.2, 0.1], [0.4, 0.1], [0.3]]
-    all_paths = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(2)] + [(a, b, 0) for a in range(3) for b in range(2)]
+def test_best_tree_is_optimal_against_brute_force():
+    """On measured (joint, not independent) path probabilities, best_tree beats every prefix-closed tree of its size."""
     import itertools
+    import random
 
-    for n in (1, 3, 5):
+    rng = random.Random(0)
+    ranks = [tuple(rng.choice([0, 0, 0, 1, 2, -1]) for _ in range(3)) for _ in range(400)]
+    path_prob = rank_paths(ranks)
+    all_paths = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)] + [(a, b, c) for a in range(2) for b in range(2) for c in range(2)]
+    for n in (1, 3, 5, 7):
         best = 0.0
         for subset in itertools.combinations(all_paths, n):
             try:
-                best = max(best, expected_accepted(TreeSpec(tuple(subset)), acc))
+                best = max(best, tree_value(TreeSpec(tuple(subset)), path_prob))
             except ValueError:
                 continue  # not prefix-closed
-        assert expected_accepted(greedy_tree(acc, n), acc) == pytest.approx(best)
+        assert tree_value(best_tree(path_prob, n), path_prob) == pytest.approx(best)
