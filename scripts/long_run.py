@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from medusa_heads import MedusaModel
-from medusa_heads.cli import _chat_ids, _load_base
+from medusa_heads.commands import _chat_ids, _load_base
 
 method, out = sys.argv[1], sys.argv[2]
 torch.set_num_threads(2)

@@ -1,0 +1,249 @@
+"""The bodies of the medusa-heads commands; medusa_heads.cli holds their arguments."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _load_base(name: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models import resolve_model
+
+    path = resolve_model(name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def _chat_ids(tokenizer, prompt: str):
+    from .training.data import chat_input_ids
+
+    return chat_input_ids(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def _load_medusa(args: argparse.Namespace):
+    """Base model, tokenizer and MedusaModel for the generating commands (--model, --heads, --tree)."""
+    from .model import MedusaModel
+
+    base, tok = _load_base(args.model)
+    return MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=getattr(args, "tree", None)), tok
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from transformers import TextStreamer
+
+    model, tok = _load_medusa(args)
+    ids = _chat_ids(tok, args.prompt)
+    t = time.perf_counter()
+    res = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                         top_p=args.top_p, return_dict_in_generate=True, streamer=TextStreamer(tok, skip_prompt=True))
+    dt = time.perf_counter() - t
+    print(f"\n[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    """Interactive chat with the chat template; replies stream as they are accepted, then tokens/s and tau."""
+    from transformers import TextStreamer
+
+    from .training.data import chat_input_ids
+
+    model, tok = _load_medusa(args)
+    messages: list[dict] = []
+    print("medusa-heads chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        ids = chat_input_ids(tok, messages)
+        t = time.perf_counter()
+        sampling = dict(do_sample=True, temperature=args.temperature) if args.do_sample else {}
+        res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
+                             streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True), **sampling)
+        dt = time.perf_counter() - t
+        messages.append({"role": "assistant", "content": tok.decode(res.sequences[0, ids.shape[1]:], skip_special_tokens=True)})
+        print(f"[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
+
+
+DEMO_PROMPTS = [
+    "Explain in a few sentences why the sky is blue.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Give me three tips for a job interview.",
+]
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Greedy generation with plain generate and with Medusa, alternating; prints tokens/s, tau and equality."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model, tok = _load_medusa(args)
+    print(f"heads: {'trained' if model.config.extra else 'untrained (zero-initialised)'}; tree of {model.tree.num_nodes} nodes")
+    ids = _chat_ids(tok, "Hi")
+    base = model.base_model
+    base.generate(ids, max_new_tokens=4, do_sample=False), model.generate(ids, max_new_tokens=4)  # warm-up
+    t_hf = t_md = 0.0
+    n_tok = same = 0
+    taus = []
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        ids = _chat_ids(tok, prompt)
+        runs = [("hf", lambda: base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)),
+                ("medusa", lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True))]
+        out = {}
+        for name, fn in runs if i % 2 == 0 else runs[::-1]:  # alternate the order
+            t = time.perf_counter()
+            out[name] = fn()
+            out[name + "_t"] = time.perf_counter() - t
+        t_hf += out["hf_t"]
+        t_md += out["medusa_t"]
+        n_tok += out["hf"].shape[1] - ids.shape[1]
+        same += int(torch.equal(out["hf"], out["medusa"].sequences))
+        taus.append(out["medusa"].stats.mean_accepted)
+        print(f"[{i + 1}] {prompt}\n    {tok.decode(out['hf'][0, ids.shape[1]:], skip_special_tokens=True)[:160]!r}...")
+    print(f"\n{'method':<18}{'tokens/s':>10}{'tau':>7}{'speed-up':>10}")
+    print(f"{'transformers':<18}{n_tok / t_hf:>10.1f}{1.0:>7.2f}{1.0:>10.2f}")
+    print(f"{'medusa-heads':<18}{n_tok / t_md:>10.1f}{sum(taus) / len(taus):>7.2f}{t_hf / t_md:>10.2f}")
+    print(f"identical outputs: {same}/{len(DEMO_PROMPTS)}")
+
+
+def cmd_distill(args: argparse.Namespace) -> None:
+    import torch
+
+    from .model import MedusaModel
+    from .training.data import read_prompts, subsample
+    from .training.distill import distill
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    caps = {}
+    for c in args.cap:
+        source, _, n = c.partition("=")
+        if not n.isdigit():
+            raise SystemExit(f"--cap expects SOURCE=N, got {c!r}")
+        caps[source] = int(n)
+    rows = subsample(read_prompts(args.prompts), caps, seed=args.seed)[: args.limit]
+    base, tok = _load_base(args.model)
+    medusa = MedusaModel.from_pretrained(base, heads=args.heads) if args.heads else None
+    counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                     temperature=args.temperature, medusa=medusa, seed=args.seed, features=args.features)
+    print(f"distill: {counts}", file=sys.stderr)
+
+
+def cmd_features(args: argparse.Namespace) -> None:
+    import torch
+
+    from .training.data import read_conversations
+    from .training.features import features_from_conversations
+
+    torch.set_num_threads(args.threads)
+    base, tok = _load_base(args.model)
+    n = features_from_conversations(base, tok, read_conversations(args.data), args.features)
+    print(f"features: added {n} conversations to {args.features}", file=sys.stderr)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    import torch
+
+    from .training.recipe import TrainRecipe
+    from .training.trainer import train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = list(args.set)
+    for key in ("data", "out", "features", "max_steps"):
+        if getattr(args, key) is not None:
+            overrides.append(f"{key}={getattr(args, key)}")
+    recipe = TrainRecipe.load(args.config, overrides)
+    out = train(recipe, resume=args.resume)
+    print(f"heads written to {out}", file=sys.stderr)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    """Choose the tree that maximises predicted tokens/s on this machine; write it into the heads' config."""
+    import torch
+
+    from .checkpoint import load_config, save_config
+    from .model import MedusaModel
+    from .training.data import read_conversations
+    from .training.features import load_segments
+    from .training.trainer import is_eval
+    from .tuning import choose_tree, correct_ranks, draft_latency, verify_latency
+    from .tree.calibrate import rank_paths
+
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    config = load_config(args.heads)
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=dtype, device_map=args.device)
+    fraction = config.extra.get("recipe", {}).get("eval_fraction", 0.05)
+    ids = {c["id"] for c in read_conversations(args.data)}
+    held_out = [s for s in load_segments(args.features, keep_ids=ids) if is_eval(s.id.rsplit("#", 1)[0], fraction)]
+    if not held_out:
+        raise SystemExit(f"no held-out features found in {args.features} for {args.data}")
+    ranks = correct_ranks(model.heads, held_out, topk=args.topk)
+    paths = rank_paths(ranks)
+    latency = verify_latency(model.target, list(range(1, args.max_nodes + 2)), context=args.context, repeats=args.repeats)
+    t_heads = lambda spec: draft_latency(model.heads, spec)  # noqa: E731
+    t_overhead = args.overhead_ms / 1000
+    result = choose_tree(paths, latency, t_heads, t_overhead, args.max_nodes)
+    best = result["best"]
+    print(f"held-out positions: {len(ranks)}; drafting the chosen tree {1000 * best['draft_s']:.1f} ms; t(1) {1000 * latency[1]:.1f} ms")
+    print(f"{'nodes':>6}{'tau':>7}{'verify ms':>11}{'pred tok/s':>12}{'pred speed-up':>15}")
+    for row in result["table"]:
+        if row["nodes"] in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) or row is best:
+            print(f"{row['nodes']:>6}{row['tau']:>7.2f}{1000 * latency[row['nodes'] + 1]:>11.1f}{row['tokens_per_s']:>12.1f}{row['speedup']:>15.2f}")
+    print(f"chosen: {best['nodes']} nodes, predicted tau {best['tau']:.2f}, predicted speed-up {best['speedup']:.2f}")
+    config.tree = best["paths"]
+    config.extra["calibration"] = {
+        "nodes": best["nodes"], "predicted_tau": best["tau"], "predicted_speedup": best["speedup"],
+        "dtype": args.dtype, "device": str(model.base_model.device), "threads": args.threads,
+        "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * best["draft_s"],
+        "overhead_ms": args.overhead_ms, "held_out_positions": len(ranks),
+    }
+    save_config(args.heads, config)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import torch
+
+    from .bench import run_batch_bench, run_bench, write_batch_results, write_results
+    from .training.data import read_prompts
+
+    torch.set_num_threads(args.threads)
+    model, tok = _load_medusa(args)
+    rows = read_prompts(args.prompts)[: args.limit]
+    if args.batch_sizes:
+        result = run_batch_bench(model, tok, rows, [int(b) for b in args.batch_sizes.split(",")], args.max_new_tokens)
+        write_batch_results(result, args.out)
+        print((__import__("pathlib").Path(args.out) / "results.md").read_text())
+        return
+    methods = args.methods.split(",")
+    if "hf" not in methods:
+        methods = ["hf", *methods]
+    sampling = dict(temperature=args.temperature, top_p=args.top_p) if args.do_sample else None
+    if sampling is not None:
+        torch.manual_seed(0)
+    result = run_bench(model, tok, rows, methods, args.max_new_tokens, sampling, preset=args.preset)
+    cal = model.config.extra.get("calibration")
+    if cal:
+        result["predicted"] = {"tau": cal["predicted_tau"], "speedup": cal["predicted_speedup"]}
+    write_results(result, args.out, methods)
+    print((__import__("pathlib").Path(args.out) / "results.md").read_text())
+    if cal:
+        m = result["overall"]["medusa"]
+        print(f"calibrated tree: predicted tau {cal['predicted_tau']:.2f} / speed-up {cal['predicted_speedup']:.2f}; "
+              f"measured tau {m['mean_accepted']:.2f} / speed-up {m['speedup_vs_hf']:.2f}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    """Write heads in the reference Medusa layout (medusa_lm_head.safetensors + config.json), which vLLM reads."""
+    from .checkpoint import export_reference
+    from .model import MedusaModel
+
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads_dir)
+    out = export_reference(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)
+    print(f"exported to {out}", file=sys.stderr)
