@@ -164,6 +164,10 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     if step == 0:
         log_path.write_text(json.dumps({"kind": "data", "conversations": len(seqs), "train_conversations": len(train_seqs),
                                         "eval_conversations": len(eval_seqs), "draft_vocab": len(vocab), "joint": True}) + "\n")
+    if step == 0 and recipe.init_heads:  # where stage 2 starts: the heads on the unadapted target
+        metrics = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device)
+        with log_path.open("a") as f:
+            f.write(json.dumps({"kind": "eval", "step": 0, **metrics}) + "\n")
     per_step = recipe.batch_size
     steps_per_epoch = max(len(train_seqs) // per_step, 1)
     bar = tqdm(total=recipe.max_steps, initial=step, desc="train (joint)")
