@@ -8,6 +8,7 @@ ADAPTED model (not the original one)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -100,11 +101,13 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     lm_weight = base.get_output_embeddings().weight.detach()
     embed_weight = base.get_input_embeddings().weight.detach()
 
-    seqs = []
+    seqs, cut = [], []
     for conv in read_conversations(recipe.data):
         ids, mask = tokenize_conversation(tokenizer, conv["messages"], recipe.max_length)
-        if mask[1:].any():
-            seqs.append((conv["id"], ids, mask))
+        (seqs if mask[1:].any() else cut).append((conv["id"], ids, mask))
+    if cut:  # said, not silently dropped
+        print(f"joint training: {len(cut)} conversations have no answer token within max_length={recipe.max_length} "
+              f"and are left out (first: {cut[0][0]})", file=sys.stderr)
     if not seqs:
         raise ValueError(f"no answers to train on in {recipe.data}")
     train_seqs = [s for s in seqs if not is_eval(s[0], recipe.eval_fraction)]
@@ -162,7 +165,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
 
     log_path = out / "train_log.jsonl"
     if step == 0:
-        log_path.write_text(json.dumps({"kind": "data", "conversations": len(seqs), "train_conversations": len(train_seqs),
+        log_path.write_text(json.dumps({"kind": "data", "conversations": len(seqs), "left_out_too_long": len(cut), "train_conversations": len(train_seqs),
                                         "eval_conversations": len(eval_seqs), "draft_vocab": len(vocab), "joint": True}) + "\n")
     if step == 0 and recipe.init_heads:  # where stage 2 starts: the heads on the unadapted target
         metrics = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device)
