@@ -23,7 +23,7 @@ t = time.perf_counter()
 if method == "hf":
     seq = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2000, do_sample=False, eos_token_id=None)
 else:
-    seq = model.generate(ids, max_new_tokens=2000, eos_token_id=None)
+    seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2000, eos_token_id=None)
 dt = time.perf_counter() - t
 save_file({"sequences": seq.contiguous()}, out)
 print(f"{method}: {seq.shape[1] - ids.shape[1]} new tokens in {dt:.0f} s, peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")

@@ -13,7 +13,9 @@ def test_two_thousand_greedy_tokens_equal_base_generate(real_base):
     ids = chat_ids(tok, "Write a very long story about a lighthouse keeper and the sea, with many chapters.")
     ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2000, do_sample=False, eos_token_id=None)
     model = MedusaModel.from_pretrained(base)  # the shipped heads and their calibrated tree
-    res = model.generate(ids, max_new_tokens=2000, eos_token_id=None, return_dict_in_generate=True)
+    # The chat prompt holds <|im_end|>, SmolLM2's pad token: with eos_token_id=None, transformers' generate (and ours,
+    # which follows it) would infer padding there unless given the mask.
+    res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2000, eos_token_id=None, return_dict_in_generate=True)
     assert ref.shape[1] == ids.shape[1] + 2000
     assert torch.equal(res.sequences, ref)
     assert res.stats.mean_accepted > 1.2  # the heads do draft accepted tokens along the way
