@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..tree.buffers import TreeBuffers
-from .cache import keep_accepted_rows, new_cache
+from .cache import keep_accepted, new_cache
 from .decode import AcceptRule, DecodeState, DecodeStats, _emit
 from .propose import Drafter
 from .sampling import process_tree
@@ -47,7 +47,6 @@ def decode_batch(
     sequences = torch.full((b_size, width), pad_token_id, dtype=torch.long, device=device)
     sequences[:, :prompt_len] = input_ids
     valid = attention_mask.bool().clone()  # (B, P): cache slots that hold each row's own tokens
-    positions = attention_mask.long().sum(1)  # (B,): each row's root position
 
     t0 = clock()
     out = target.prefill_batch(input_ids, attention_mask, cache)
@@ -72,6 +71,7 @@ def decode_batch(
             drafts = torch.stack([drafter.draft(s.hidden, s.sequence[: s.length], buffers) for s in states])
         trees = torch.cat([roots[:, None], drafts], dim=1)  # (B, T); finished rows ride along and are dropped below
         t1 = clock()
+        positions = valid.long().sum(1)  # (B,): each row's root position = its real tokens so far
         out = target.verify_batch(trees, positions, valid, cache, buffers)
         t2 = clock()
         past, keeps, emitted, active = valid.shape[1], [], 0, 0
@@ -87,7 +87,6 @@ def decode_batch(
             nodes = nodes[: len(chunk) + 1]
             keeps.append(nodes)
             s.hidden = out.hidden[b, nodes[-1]]
-            positions[b] += nodes.shape[0]
             emitted, active = emitted + len(chunk), active + 1
         t3 = clock()
         m = max(k.shape[0] for k in keeps)
@@ -95,7 +94,7 @@ def decode_batch(
         for b, k in enumerate(keeps):
             if k.shape[0]:
                 keep[b, : k.shape[0]], keep[b, k.shape[0] :] = k, k[-1]
-        keep_accepted_rows(cache, past, keep)
+        keep_accepted(cache, past, keep)
         lengths = torch.tensor([k.shape[0] for k in keeps], device=device)
         valid = torch.cat([valid, torch.arange(m, device=device)[None] < lengths[:, None]], dim=1)
         stats.tokens_per_step.append(emitted)

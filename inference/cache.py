@@ -45,31 +45,22 @@ def new_cache(model: PreTrainedModel, capacity: int | None = None) -> DynamicCac
 
 @torch.no_grad()
 def keep_accepted(cache: DynamicCache, past: int, keep: torch.Tensor) -> None:
-    """After a verify of T tree tokens appended at `past`, keep entries past + keep[i] (in order), drop the rest.
+    """After a verify of T tree tokens appended at `past`, keep entries past + keep[..., i] (in order), drop the rest.
 
-    keep: (n,) long tree-node indices, increasing, keep[0] == 0 (the root)."""
-    n = keep.shape[0]
-    src = keep + past
+    keep: (n,) tree-node indices for every row alike (increasing, keep[0] == 0, the root), or (B, n) one row of
+    indices per batch row (padded by repeating; the caller masks the padding). The cache then ends at past + n."""
+    n = keep.shape[-1]
     for layer in cache.layers:
         for name in ("keys", "values"):
             kv = getattr(layer, name)  # (B, heads, past + T, head_dim)
-            kv[:, :, past : past + n] = kv.index_select(2, src)
+            if keep.dim() == 1:
+                kv[:, :, past : past + n] = kv.index_select(2, keep + past)
+            else:
+                index = (keep + past)[:, None, :, None].expand(-1, kv.shape[1], n, kv.shape[3])
+                kv[:, :, past : past + n] = kv.gather(2, index)
             setattr(layer, name, kv[:, :, : past + n])
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count their tokens themselves
             layer.cumulative_length = past + n
-
-
-@torch.no_grad()
-def keep_accepted_rows(cache: DynamicCache, past: int, keep: torch.Tensor) -> None:
-    """Batched keep_accepted: keep (B, m) node indices per row (padded by repeating; the caller marks padding
-    invalid). Row b's slots past + i become its entry past + keep[b, i]; the cache ends at past + m."""
-    b, m = keep.shape
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            kv = getattr(layer, name)  # (B, heads, past + T, head_dim)
-            index = (keep + past)[:, None, :, None].expand(b, kv.shape[1], m, kv.shape[3])
-            kv[:, :, past : past + m] = kv.gather(2, index)
-            setattr(layer, name, kv[:, :, : past + m])
 
 
 def crop_to(cache: DynamicCache, length: int) -> None:

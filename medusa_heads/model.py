@@ -162,9 +162,9 @@ class MedusaModel(nn.Module):
             raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty: give at least one prompt token")
+        eos_ids = [] if gc.eos_token_id is None else [gc.eos_token_id] if isinstance(gc.eos_token_id, int) else list(gc.eos_token_id)
         if attention_mask is None:  # as transformers infers it: padding is wherever pad_token_id sits, if not EOS
-            pad, eos_ids = gc.pad_token_id, gc.eos_token_id
-            eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
+            pad = gc.pad_token_id
             if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
                 attention_mask = (input_ids != pad).long()
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -179,8 +179,7 @@ class MedusaModel(nn.Module):
         if context is not None and input_ids.shape[1] > context:
             raise ValueError(f"the prompt has {input_ids.shape[1]} tokens, more than the model's context of {context} "
                              f"(max_position_embeddings); shorten it")
-        eos = gc.eos_token_id
-        eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        eos = set(eos_ids)
 
         if acceptance == "exact":
             rule = TargetChoice(build_warpers(gc) if gc.do_sample else None, generator)
@@ -197,8 +196,7 @@ class MedusaModel(nn.Module):
         processors = build_processors(gc, input_ids.shape[1], logits_processor)
         drafter = drafter or HeadsDrafter(self.heads)
         if batched:
-            first_eos = gc.eos_token_id if isinstance(gc.eos_token_id, int) else (list(gc.eos_token_id or []) or [None])[0]
-            pad = gc.pad_token_id if gc.pad_token_id is not None else first_eos  # transformers' fallback
+            pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids or [None])[0]  # transformers' fallback
             if pad is None:
                 raise ValueError("batched generation needs pad_token_id (or eos_token_id) to pad finished rows")
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
