@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .inference.prepack import is_prepacked, stock_kernels
 from .training.data import PromptRow, chat_input_ids
 
 
@@ -51,6 +52,9 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
     def call(method: str, ids: torch.Tensor):
         if method == "hf":
             return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **gen), None
+        if method == "hf-stock":  # transformers' generate on PyTorch's stock kernels (differs from hf if prepacked)
+            with stock_kernels(base):
+                return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **gen), None
         if method == "pld":
             return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  prompt_lookup_num_tokens=10, **gen), None
@@ -122,7 +126,8 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         "by_category": {cat: summarise(v) for cat, v in sorted(acc.items())},
         "settings": {"max_new_tokens": max_new_tokens, "sampling": sampling, "prompts": len(rows),
                      "calibrated_tree_nodes": calibrated.num_nodes, "preset": preset,
-                     "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype)},
+                     "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype),
+                     "prepacked_linears": is_prepacked(base)},
     }
     if profile:
         total = profile.pop("total")

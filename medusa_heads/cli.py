@@ -15,6 +15,14 @@ def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads, if they fit)")
     parser.add_argument("--tree", default=None, help="tree preset from configs/trees (default: the heads' own tree)")
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="the model's dtype (bf16: faster on CPUs with AVX512-BF16 or AMX, and on GPUs)")
+    _prepack_arg(parser)
+
+
+def _prepack_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a CPU, run the model's linears through oneDNN with prepacked weights (default: on)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--heads", default=None, help="draft with these heads (MedusaModel, one prompt at a time)")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--seed", type=int, default=0)
+    _prepack_arg(s)
     s.add_argument("--features", default=None, help="also keep the target's hidden states here (safetensors shards)")
     s.set_defaults(fn=cmd_distill)
 
@@ -59,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--model", default=DEFAULT_MODEL)
     f.add_argument("--data", required=True)
     f.add_argument("--features", required=True)
+    _prepack_arg(f)
     f.add_argument("--threads", type=int, default=2)
     f.set_defaults(fn=cmd_features)
 
@@ -84,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--repeats", type=int, default=5, help="timed forwards per size (the median is used)")
     c.add_argument("--overhead-ms", type=float, default=3.0, help="per-step Python work besides heads and verify")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    _prepack_arg(c)
     c.add_argument("--device", default=None)
     c.add_argument("--threads", type=int, default=2)
     c.set_defaults(fn=cmd_calibrate)
@@ -92,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--prompts", required=True)
     b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--heads", default=None)
+    _prepack_arg(b)
+    b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     b.add_argument("--methods", default="hf,pld,medusa,medusa-preset")
     b.add_argument("--preset", default="cpu-16")
     b.add_argument("--max-new-tokens", type=int, default=128)

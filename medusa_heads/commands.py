@@ -6,14 +6,22 @@ import sys
 import time
 
 
-def _load_base(name: str):
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _load_base(name: str, dtype: str = "fp32", prepack: bool = True):
+    """The model (CPU) and its tokenizer; with `prepack`, its linears run through oneDNN (inference/prepack.py)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .inference.prepack import prepack_linears, prepack_supported
     from .models import resolve_model
 
     path = resolve_model(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype])).eval()
+    if prepack and prepack_supported():
+        model.requires_grad_(False)
+        prepack_linears(model)
     return model, AutoTokenizer.from_pretrained(path)
 
 
@@ -27,7 +35,7 @@ def _load_medusa(args: argparse.Namespace):
     """Base model, tokenizer and MedusaModel for the generating commands (--model, --heads, --tree)."""
     from .model import MedusaModel
 
-    base, tok = _load_base(args.model)
+    base, tok = _load_base(args.model, args.dtype, args.prepack)
     return MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=getattr(args, "tree", None)), tok
 
 
@@ -78,37 +86,50 @@ DEMO_PROMPTS = [
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """Greedy generation with plain generate and with Medusa, alternating; prints tokens/s, tau and equality."""
+    """Greedy generation with plain generate and with Medusa, alternating; prints tokens/s, tau and equality.
+    With prepacked linears (the default on a CPU) transformers' generate also runs on the stock kernels."""
     import torch
+
+    from .inference.prepack import is_prepacked, stock_kernels
 
     torch.set_num_threads(args.threads)
     model, tok = _load_medusa(args)
-    print(f"heads: {'trained' if model.config.extra else 'untrained (zero-initialised)'}; tree of {model.tree.num_nodes} nodes")
-    ids = _chat_ids(tok, "Hi")
     base = model.base_model
+    packed = is_prepacked(base)
+    print(f"heads: {'trained' if model.config.extra else 'untrained (zero-initialised)'}; tree of {model.tree.num_nodes} nodes; "
+          f"linears: {'oneDNN prepacked (both methods)' if packed else 'stock kernels'}")
+
+    def hf_stock(ids):
+        with stock_kernels(base):
+            return base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+
+    ids = _chat_ids(tok, "Hi")
     base.generate(ids, max_new_tokens=4, do_sample=False), model.generate(ids, max_new_tokens=4)  # warm-up
-    t_hf = t_md = 0.0
+    seconds = dict.fromkeys(["hf", "medusa"] + (["hf_stock"] if packed else []), 0.0)
     n_tok = same = 0
     taus = []
     for i, prompt in enumerate(DEMO_PROMPTS):
         ids = _chat_ids(tok, prompt)
         runs = [("hf", lambda: base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)),
                 ("medusa", lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True))]
+        if packed:
+            runs.append(("hf_stock", lambda: hf_stock(ids)))
         out = {}
         for name, fn in runs if i % 2 == 0 else runs[::-1]:  # alternate the order
             t = time.perf_counter()
             out[name] = fn()
-            out[name + "_t"] = time.perf_counter() - t
-        t_hf += out["hf_t"]
-        t_md += out["medusa_t"]
+            seconds[name] += time.perf_counter() - t
         n_tok += out["hf"].shape[1] - ids.shape[1]
         same += int(torch.equal(out["hf"], out["medusa"].sequences))
         taus.append(out["medusa"].stats.mean_accepted)
         print(f"[{i + 1}] {prompt}\n    {tok.decode(out['hf'][0, ids.shape[1]:], skip_special_tokens=True)[:160]!r}...")
-    print(f"\n{'method':<18}{'tokens/s':>10}{'tau':>7}{'speed-up':>10}")
-    print(f"{'transformers':<18}{n_tok / t_hf:>10.1f}{1.0:>7.2f}{1.0:>10.2f}")
-    print(f"{'medusa-heads':<18}{n_tok / t_md:>10.1f}{sum(taus) / len(taus):>7.2f}{t_hf / t_md:>10.2f}")
-    print(f"identical outputs: {same}/{len(DEMO_PROMPTS)}")
+    print(f"\n{'method':<36}{'tokens/s':>10}{'tau':>7}{'speed-up':>10}")
+    if packed:
+        print(f"{'transformers, stock kernels':<36}{n_tok / seconds['hf_stock']:>10.1f}{1.0:>7.2f}{seconds['hf'] / seconds['hf_stock']:>10.2f}")
+    print(f"{'transformers' + (', prepacked' if packed else ''):<36}{n_tok / seconds['hf']:>10.1f}{1.0:>7.2f}{1.0:>10.2f}")
+    print(f"{'medusa-heads' + (', prepacked' if packed else ''):<36}{n_tok / seconds['medusa']:>10.1f}{sum(taus) / len(taus):>7.2f}"
+          f"{seconds['hf'] / seconds['medusa']:>10.2f}")
+    print(f"identical outputs (medusa vs transformers on the same kernels): {same}/{len(DEMO_PROMPTS)}")
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
@@ -127,7 +148,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
             raise SystemExit(f"--cap expects SOURCE=N, got {c!r}")
         caps[source] = int(n)
     rows = subsample(read_prompts(args.prompts), caps, seed=args.seed)[: args.limit]
-    base, tok = _load_base(args.model)
+    base, tok = _load_base(args.model, prepack=args.prepack)
     medusa = MedusaModel.from_pretrained(base, heads=args.heads) if args.heads else None
     counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                      temperature=args.temperature, medusa=medusa, seed=args.seed, features=args.features)
@@ -141,7 +162,7 @@ def cmd_features(args: argparse.Namespace) -> None:
     from .training.features import features_from_conversations
 
     torch.set_num_threads(args.threads)
-    base, tok = _load_base(args.model)
+    base, tok = _load_base(args.model, prepack=args.prepack)
     n = features_from_conversations(base, tok, read_conversations(args.data), args.features)
     print(f"features: added {n} conversations to {args.features}", file=sys.stderr)
 
@@ -178,7 +199,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     config = load_config(args.heads)
-    model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=dtype, device_map=args.device)
+    prepack = args.prepack and args.device in (None, "cpu")
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=dtype, device_map=args.device, prepack=prepack)
     fraction = config.extra.get("recipe", {}).get("eval_fraction", 0.05)
     ids = {c["id"] for c in read_conversations(args.data)}
     held_out = [s for s in load_segments(args.features, keep_ids=ids) if is_eval(s.id.rsplit("#", 1)[0], fraction)]
@@ -200,7 +222,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     config.tree = best["paths"]
     config.extra["calibration"] = {
         "nodes": best["nodes"], "predicted_tau": best["tau"], "predicted_speedup": best["speedup"],
-        "dtype": args.dtype, "device": str(model.base_model.device), "threads": args.threads,
+        "dtype": args.dtype, "device": str(model.base_model.device), "threads": args.threads, "prepack": prepack,
         "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * best["draft_s"],
         "overhead_ms": args.overhead_ms, "held_out_positions": len(ranks),
     }

@@ -21,6 +21,7 @@ from .inference.batch import decode_batch
 from .inference.decode import DecodeStats, decode
 from .inference.propose import Drafter, HeadsDrafter
 from .inference.sampling import build_processors, build_warpers
+from .inference.prepack import prepack_linears
 from .inference.support import check_tree_attention
 from .inference.verify import Target
 from .models import DEFAULT_MODEL, default_heads_path, resolve_model
@@ -64,12 +65,16 @@ class MedusaModel(nn.Module):
         draft_vocab: Sequence[int] | None = None,
         tree: str | Sequence[Sequence[int]] | None = None,
         allow_base_mismatch: bool = False,
+        prepack: bool = False,
         **base_kwargs,
     ) -> "MedusaModel":
         """base: the default model's name, a local HF directory, a hub id, or a loaded model.
         heads: a heads directory; None for new (untrained) heads (num_heads, num_layers, own_lm_head,
         condition, draft_vocab shape them: see MedusaConfig); "auto" for the shipped heads when their
-        base fingerprint matches this base (the default model), new heads otherwise. tree: preset name or rank paths (default: the heads' own)."""
+        base fingerprint matches this base (the default model), new heads otherwise. tree: preset name or rank paths (default: the heads' own).
+        prepack: run the base's nn.Linear layers through oneDNN with prepacked weights (CPU, fp32 or bf16; see
+        inference/prepack.py): faster plain decoding and a nearly flat verify cost up to ~16 tree tokens. It swaps
+        the modules of `base` in place, so `base.generate` runs on the same kernels."""
         if not isinstance(base, PreTrainedModel):
             base_kwargs.setdefault("dtype", torch.float32)
             base = AutoModelForCausalLM.from_pretrained(resolve_model(str(base)), **base_kwargs)
@@ -77,6 +82,8 @@ class MedusaModel(nn.Module):
             base = _merge_adapter(base, Path(heads))
         base.eval()
         base.requires_grad_(False)
+        if prepack:
+            prepack_linears(base)
         target = Target(base)
         check_tree_attention(target)
         lm_weight = target.lm_head.weight

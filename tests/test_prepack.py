@@ -1,0 +1,66 @@
+"""oneDNN-prepacked linears (inference/prepack.py): same model, same weights, same greedy output."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from medusa_heads import MedusaModel
+from medusa_heads.inference.prepack import PackedLinear, is_prepacked, prepack_linears, prepack_supported, stock_kernels
+
+from conftest import chat_ids, randomize_heads, tiny_model
+
+pytestmark = pytest.mark.skipif(not prepack_supported(), reason="this PyTorch build has no oneDNN packed linear")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepack_keeps_weights_keys_and_ties(dtype):
+    base = tiny_model("llama", tie_word_embeddings=True).to(dtype)
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    n_linear = sum(type(m) is nn.Linear for m in base.modules())
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = base(ids).logits
+        assert prepack_linears(base) == n_linear and is_prepacked(base)
+        assert not any(type(m) is nn.Linear for m in base.modules())
+        assert isinstance(base.get_output_embeddings(), PackedLinear)
+        assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # still tied
+        after = base.state_dict()
+        assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+        got = base(ids).logits
+        torch.testing.assert_close(got, ref, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=0)
+        with stock_kernels(base):  # the very kernels of the unpacked model: bit for bit
+            assert torch.equal(base(ids).logits, ref)
+
+
+def test_prepack_refuses_other_dtypes():
+    base = tiny_model("llama").to(torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        prepack_linears(base)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+def test_prepacked_model_matches_greedy(arch):
+    base = tiny_model(arch)
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-16", prepack=True))
+    assert is_prepacked(base)
+    for seed in range(3):
+        ids = torch.randint(0, 96, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
+        mask = torch.ones_like(ids)  # phi3's pad token (0) may occur in a random prompt
+        ref = base.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=40), ref), (arch, seed)
+
+
+def test_real_model_prepacked_matches_greedy():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from medusa_heads import default_model_path
+
+    path = default_model_path()
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # its own copy: packed in place
+    tok = AutoTokenizer.from_pretrained(path)
+    model = MedusaModel.from_pretrained(base, heads="auto", prepack=True)
+    for prompt in ("Explain photosynthesis to a child.", "Write a Python function that reverses a linked list."):
+        ids = chat_ids(tok, prompt)
+        ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=96, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=96), ref), prompt
