@@ -75,7 +75,22 @@ class TargetChoice:
         return int(self.choose(logits)[0])
 
     def accept(self, tree_tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, int]:
-        return accept_choices(tree_tokens, self.choose(logits), buffers)
+        if self.warpers is None:
+            return accept_choices(tree_tokens, self.choose(logits), buffers)
+        return self._walk(tree_tokens, logits, buffers)
+
+    def _walk(self, tree_tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, int]:
+        """Exact sampling, drawing only where the descent goes: the draws at nodes it never reaches could not
+        change the outcome, so this is accept_choices' distribution at a fraction of the warping and sampling
+        (top-p sorts the whole vocabulary once per node)."""
+        tokens = tree_tokens.tolist()
+        node, nodes = 0, [0]
+        while True:
+            draw = int(self.choose(logits[node : node + 1])[0])
+            node = next((c for c in buffers.children[node] if tokens[c] == draw), -1)
+            if node < 0:
+                return torch.tensor(nodes, device=tree_tokens.device), draw
+            nodes.append(node)
 
 
 class TypicalAcceptance:
