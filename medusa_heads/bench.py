@@ -42,7 +42,8 @@ def _peak_mb(device: torch.device) -> float:
 
 def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_new_tokens: int = 128,
               sampling: dict | None = None, preset: str = "cpu-16") -> dict:
-    """Returns {"overall": {method: stats}, "by_category": {cat: {method: stats}}, "profile": {...}}."""
+    """methods: hf, hf-stock, pld, medusa (the calibrated tree), medusa-preset (`preset`), medusa:NAME (preset NAME).
+    Returns {"overall": {method: stats}, "by_category": {cat: {method: stats}}, "profile": {...}}."""
     base = model.base_model
     device = base.device
     counter = ForwardCounter(base)
@@ -58,7 +59,8 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         if method == "pld":
             return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  prompt_lookup_num_tokens=10, **gen), None
-        model.set_tree(calibrated if method == "medusa" else preset)
+        # "medusa": the calibrated tree; "medusa-preset": `preset`; "medusa:NAME": the preset NAME
+        model.set_tree(calibrated if method == "medusa" else preset if method == "medusa-preset" else method.split(":", 1)[1])
         res = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **gen)
         return res.sequences, res.stats
 
