@@ -27,11 +27,13 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.enabled = True  # False: plain nn.functional.linear (the stock kernels), for comparisons
+        self.packed_as = (linear.weight.dtype, linear.weight.device)
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or x.dtype != self.weight.dtype or x.requires_grad:
+        # the packed copy serves only the dtype and device it was made for (a later .to() or .half() falls back)
+        if not self.enabled or x.requires_grad or not (x.dtype, x.device) == (self.weight.dtype, self.weight.device) == self.packed_as:
             return nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

@@ -33,6 +33,16 @@ def test_prepack_keeps_weights_keys_and_ties(dtype):
             assert torch.equal(base(ids).logits, ref)
 
 
+def test_prepacked_model_cast_later_falls_back_to_stock_kernels():
+    base = tiny_model("llama")
+    prepack_linears(base)
+    base.to(torch.bfloat16)  # the packed fp32 copies no longer fit: plain linear, same result as an unpacked cast
+    ref = tiny_model("llama").to(torch.bfloat16)
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(base(ids).logits, ref(ids).logits)
+
+
 def test_prepack_refuses_other_dtypes():
     base = tiny_model("llama").to(torch.float16)
     with pytest.raises(ValueError, match="float16"):
