@@ -197,7 +197,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from .tree.calibrate import rank_paths
 
     torch.set_num_threads(args.threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    dtype = getattr(torch, DTYPES[args.dtype])
     config = load_config(args.heads)
     prepack = args.prepack and args.device in (None, "cpu")
     model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=dtype, device_map=args.device, prepack=prepack)
