@@ -11,7 +11,7 @@ from medusa_heads import MedusaModel
 from medusa_heads.training import trainer as trainer_mod
 from medusa_heads.training.data import append_conversations, read_conversations, read_prompts
 from medusa_heads.inference.tap import LMHeadTap
-from medusa_heads.training.features import Segment, next_shard_path, write_shard
+from medusa_heads.training.features import Segment, answer_segments, next_shard_path, write_shard
 from medusa_heads.training.recipe import TrainRecipe
 from medusa_heads.training.trainer import train
 
@@ -97,6 +97,23 @@ def test_unwritable_output_is_refused_before_work(tiny_data, tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match="not writable"):
         train(recipe(tiny_data, blocker / "heads"))
+
+
+def test_answer_segments_pair_each_hidden_state_with_the_token_it_produced_and_stop_at_eos():
+    # positions:        0  1  2  3  4  5  6  7  8  9 10 11
+    ids = torch.tensor([5, 6, 7, 9, 1, 5, 6, 8, 8, 9, 1, 4])
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0], dtype=torch.bool)  # two answer turns
+    hidden = torch.arange(12.0)[:, None]  # hidden[p] stands for the LM-head input at p
+    whole = answer_segments("c", ids, mask, hidden)
+    assert [s.id for s in whole] == ["c#0", "c#1"]
+    assert whole[0].tokens.tolist() == [7, 9, 1] and whole[0].hidden[:, 0].tolist() == [1.0, 2.0, 3.0]
+    assert whole[1].tokens.tolist() == [8, 8, 9, 1] and whole[1].hidden[:, 0].tolist() == [6.0, 7.0, 8.0, 9.0]
+    cut = answer_segments("c", ids, mask, hidden, eos=9)  # through the first eos (the template's newline after it is no answer)
+    assert [s.tokens.tolist() for s in cut] == [[7, 9], [8, 8, 9]]
+    unfinished = answer_segments("c", ids, mask, hidden, eos=9, finished=[True, False])  # the model never wrote turn 1's eos
+    assert [s.tokens.tolist() for s in unfinished] == [[7, 9], [8, 8]]
+    assert [s.id for s in answer_segments("c", ids, mask, None, eos=7)] == ["c#0", "c#1"]
+    assert [s.id for s in answer_segments("c", ids, mask, None, eos=7, finished=[False, True])] == ["c#1"]  # empty: left out
 
 
 def test_recipe_keys_and_overrides(tmp_path):

@@ -62,6 +62,32 @@ def load_segments(folder: str | os.PathLike, keep_ids: set[str] | None = None) -
     return out
 
 
+def answer_segments(conv_id: str, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor | None,
+                    eos: int | None = None, finished: list[bool] | None = None) -> list[Segment]:
+    """One Segment per assistant turn (a run of the loss mask), id "<conv_id>#<turn>": hidden[p] (the LM-head
+    input at p) produced ids[p + 1]. With `eos`, a turn ends at its first eos token, which is kept unless
+    finished[turn] is False (the answer was cut off: the model never wrote it). Empty turns are left out."""
+    out, turn, p, n = [], 0, 1, ids.shape[0]
+    while p < n:
+        if not (mask[p] and not mask[p - 1]):
+            p += 1
+            continue
+        end = p
+        while end < n and mask[end]:
+            end += 1
+        length = end - p
+        if eos is not None:
+            stop = (ids[p:end] == eos).nonzero()
+            if len(stop):
+                length = int(stop[0]) + (1 if finished is None or finished[turn] else 0)
+        if length > 0:
+            h = hidden[p - 1 : p - 1 + length] if hidden is not None else None
+            out.append(Segment(f"{conv_id}#{turn}", h, ids[p : p + length]))
+        turn += 1
+        p = end
+    return out
+
+
 @torch.no_grad()
 def features_from_conversations(model, tokenizer, conversations: list[dict], folder: str | os.PathLike,
                                 max_length: int = 2048, per_shard: int = 64) -> int:
@@ -73,25 +99,14 @@ def features_from_conversations(model, tokenizer, conversations: list[dict], fol
 
     have = {s.id.rsplit("#", 1)[0] for s in load_segments(folder)}
     todo = [c for c in conversations if c["id"] not in have]
-    eos = tokenizer.eos_token_id
     segments: list[Segment] = []
     for conv in tqdm(todo, desc="features", unit="conv"):
         ids, mask = tokenize_conversation(tokenizer, conv["messages"], max_length)
         # the backbone's last hidden state is what every transformers causal LM feeds its LM head
         hidden = model.base_model(ids[None].to(model.device)).last_hidden_state[0]  # (L, H): hidden[p] -> token p + 1
-        answers = [m for m in conv["messages"] if m["role"] == "assistant"]
-        starts = [p for p in range(1, len(ids)) if mask[p] and not mask[p - 1]]
-        for turn, (start, msg) in enumerate(zip(starts, answers)):
-            end = start
-            while end < len(ids) and mask[end]:
-                end += 1
-            toks = ids[start:end]
-            stop = (toks == eos).nonzero()
-            n = int(stop[0]) + 1 if len(stop) else len(toks)  # through the end-of-turn token, not past it
-            if not msg.get("finished", True) and len(stop):
-                n -= 1  # the model was cut off: it never wrote that end-of-turn token
-            if n > 0:
-                segments.append(Segment(f"{conv['id']}#{turn}", hidden[start - 1 : start - 1 + n].to(torch.bfloat16), toks[:n]))
+        finished = [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]
+        for s in answer_segments(conv["id"], ids, mask, hidden, tokenizer.eos_token_id, finished):
+            segments.append(Segment(s.id, s.hidden.to(torch.bfloat16), s.tokens))
         if len(segments) >= per_shard:
             write_shard(next_shard_path(folder), segments)
             segments = []

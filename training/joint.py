@@ -11,9 +11,11 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
 from safetensors.torch import load_file
 from tqdm import tqdm
 
@@ -22,7 +24,7 @@ from ..config import MedusaConfig
 from ..heads import MedusaHeads
 from ..inference.tap import LMHeadTap
 from .data import read_conversations, tokenize_conversation
-from .features import Segment
+from .features import Segment, answer_segments
 from .loss import IGNORE, medusa_loss
 from .recipe import TrainRecipe
 from .trainer import OOV, build_split, choose_draft_vocab, evaluate, is_eval, load_checkpoint, plot_log, prepare_output, save_checkpoint
@@ -30,42 +32,34 @@ from .trainer import OOV, build_split, choose_draft_vocab, evaluate, is_eval, lo
 ADAPTER_DIR = "adapter"
 
 
-def answer_segments(conv_id: str, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor | None) -> list[Segment]:
-    """One Segment per assistant turn: hidden[p] (the LM-head input at p) produced ids[p + 1]."""
-    out, p, n = [], 1, ids.shape[0]
-    while p < n:
-        if mask[p] and not mask[p - 1]:
-            end = p
-            while end < n and mask[end]:
-                end += 1
-            h = hidden[p - 1 : end - 1] if hidden is not None else None
-            out.append(Segment(f"{conv_id}#{len(out)}", h, ids[p:end]))
-            p = end
-        else:
-            p += 1
-    return out
+class Seq(NamedTuple):
+    id: str
+    ids: torch.Tensor  # (L,) chat-template tokens
+    mask: torch.Tensor  # (L,) True on answer tokens
+    finished: list[bool]  # per assistant turn: did the model end it itself
 
 
-def _forward(model, batch: list[tuple[str, torch.Tensor, torch.Tensor]], device):
+def _segments(seq: Seq, hidden: torch.Tensor | None, eos: int | None) -> list[Segment]:
+    return answer_segments(seq.id, seq.ids, seq.mask, hidden, eos, seq.finished)
+
+
+def _forward(model, batch: list[Seq], device):
     """Right-padded forward of the adapted model, and of the frozen one (adapters off, no grad), at the answer-
     predicting positions. Returns (adapted logits (N, V), frozen logits (N, V), hidden (B, L, H), rows, cols)."""
-    width = max(ids.shape[0] for _, ids, _ in batch)
+    width = max(seq.ids.shape[0] for seq in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     attn = torch.zeros_like(ids)
-    for b, (_, x, _) in enumerate(batch):
-        ids[b, : x.shape[0]], attn[b, : x.shape[0]] = x, 1
+    for b, seq in enumerate(batch):
+        ids[b, : seq.ids.shape[0]], attn[b, : seq.ids.shape[0]] = seq.ids, 1
     ids, attn = ids.to(device), attn.to(device)
     rows, cols = _positions(batch)
-    with LMHeadTap(_unwrap(model)) as tap:
+    inner = extract_model_from_parallel(model)  # what accelerator.unwrap_model does
+    with LMHeadTap(inner) as tap:
         logits = model(input_ids=ids, attention_mask=attn).logits
     hidden = tap.first()
-    with torch.no_grad(), _unwrap(model).disable_adapter():
+    with torch.no_grad(), inner.disable_adapter():
         frozen = model(input_ids=ids, attention_mask=attn).logits[rows, cols].float()
     return logits[rows, cols].float(), frozen, hidden, rows, cols
-
-
-def _unwrap(model):
-    return getattr(model, "module", model)
 
 
 def _kl(adapted: torch.Tensor, frozen: torch.Tensor, reduction: str = "batchmean") -> torch.Tensor:
@@ -76,8 +70,8 @@ def _kl(adapted: torch.Tensor, frozen: torch.Tensor, reduction: str = "batchmean
 def _positions(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, position) of every answer-predicting position: hidden at p predicts answer token p + 1."""
     rows, cols = [], []
-    for b, (_, ids, mask) in enumerate(batch):
-        p = (mask[1:]).nonzero()[:, 0]
+    for b, seq in enumerate(batch):
+        p = (seq.mask[1:]).nonzero()[:, 0]
         rows.append(torch.full_like(p, b))
         cols.append(p)
     return torch.cat(rows), torch.cat(cols)
@@ -102,17 +96,19 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     embed_weight = base.get_input_embeddings().weight.detach()
 
     seqs, cut = [], []
+    eos = tokenizer.eos_token_id
     for conv in read_conversations(recipe.data):
         ids, mask = tokenize_conversation(tokenizer, conv["messages"], recipe.max_length)
-        (seqs if mask[1:].any() else cut).append((conv["id"], ids, mask))
+        finished = [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]
+        (seqs if mask[1:].any() else cut).append(Seq(conv["id"], ids, mask, finished))
     if cut:  # said, not silently dropped
         print(f"joint training: {len(cut)} conversations have no answer token within max_length={recipe.max_length} "
-              f"and are left out (first: {cut[0][0]})", file=sys.stderr)
+              f"and are left out (first: {cut[0].id})", file=sys.stderr)
     if not seqs:
         raise ValueError(f"no answers to train on in {recipe.data}")
-    train_seqs = [s for s in seqs if not is_eval(s[0], recipe.eval_fraction)]
-    eval_seqs = [s for s in seqs if is_eval(s[0], recipe.eval_fraction)]
-    vocab = choose_draft_vocab([seg for c, i, m in train_seqs for seg in answer_segments(c, i, m, None)],
+    train_seqs = [s for s in seqs if not is_eval(s.id, recipe.eval_fraction)]
+    eval_seqs = [s for s in seqs if is_eval(s.id, recipe.eval_fraction)]
+    vocab = choose_draft_vocab([seg for s in train_seqs for seg in _segments(s, None, eos)],
                                recipe.draft_vocab_size, lm_weight.shape[0])
     index = torch.full((lm_weight.shape[0],), OOV, dtype=torch.long)
     index[torch.tensor(vocab)] = torch.arange(len(vocab))
@@ -153,11 +149,11 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
 
     def losses(batch) -> tuple[torch.Tensor, dict]:
         adapted, frozen, hidden, rows, cols = _forward(model, batch, device)
-        segments = [seg for b, (c, i, m) in enumerate(batch) for seg in answer_segments(c, i, m, hidden[b])]
+        segments = [seg for b, s in enumerate(batch) for seg in _segments(s, hidden[b], eos)]
         split = build_split(segments, recipe.num_heads, index, config.context_size)
         t = split.targets
         head_loss, _ = medusa_loss(heads(split.hidden.float(), split.context.to(device)), t.masked_fill(t == OOV, IGNORE).to(device), recipe.decay)
-        ids = torch.stack([batch[b][1][c + 1] for b, c in zip(rows.tolist(), cols.tolist())]).to(device)
+        ids = torch.stack([batch[b].ids[c + 1] for b, c in zip(rows.tolist(), cols.tolist())]).to(device)
         lm = F.cross_entropy(adapted, ids)
         kl = _kl(adapted, frozen)
         total = head_loss + recipe.lm_weight * lm + recipe.kl_weight * kl
@@ -168,7 +164,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
         log_path.write_text(json.dumps({"kind": "data", "conversations": len(seqs), "left_out_too_long": len(cut), "train_conversations": len(train_seqs),
                                         "eval_conversations": len(eval_seqs), "draft_vocab": len(vocab), "joint": True}) + "\n")
     if step == 0 and recipe.init_heads:  # where stage 2 starts: the heads on the unadapted target
-        metrics = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device)
+        metrics = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device, eos)
         with log_path.open("a") as f:
             f.write(json.dumps({"kind": "eval", "step": 0, **metrics}) + "\n")
     per_step = recipe.batch_size
@@ -194,7 +190,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
         loss = float(loss.detach())
         bar.set_postfix(loss=f"{loss:.3f}", kl=f"{parts['kl']:.4f}")
         if step % recipe.eval_every == 0 or step == recipe.max_steps:
-            metrics = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device)
+            metrics = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device, eos)
             with log_path.open("a") as f:
                 f.write(json.dumps({"kind": "train", "step": step, "loss": loss, **parts, "seconds": time.time() - t0}) + "\n")
                 f.write(json.dumps({"kind": "eval", "step": step, **metrics}) + "\n")
@@ -206,14 +202,14 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     bar.close()
     final = accelerator.unwrap_model(heads)
     final.config.extra = {"recipe": recipe.to_dict(), "adapter": ADAPTER_DIR,
-                          "final_eval": evaluate_joint(model, final, eval_seqs or train_seqs[:8], index, recipe, device)}
+                          "final_eval": evaluate_joint(model, final, eval_seqs or train_seqs[:8], index, recipe, device, eos)}
     save_heads(out, final, final.config)
     accelerator.unwrap_model(model).save_pretrained(out / ADAPTER_DIR, safe_serialization=True)
     return out
 
 
 @torch.no_grad()
-def evaluate_joint(model, heads: MedusaHeads, seqs, index: torch.Tensor, recipe: TrainRecipe, device) -> dict:
+def evaluate_joint(model, heads: MedusaHeads, seqs: list[Seq], index: torch.Tensor, recipe: TrainRecipe, device, eos: int | None) -> dict:
     """Held-out heads accuracy on the adapted model's hidden states, and its KL to the frozen target."""
     segments, kl_sum, n = [], 0.0, 0
     for i in range(0, len(seqs), recipe.batch_size):
@@ -221,7 +217,7 @@ def evaluate_joint(model, heads: MedusaHeads, seqs, index: torch.Tensor, recipe:
         adapted, frozen, hidden, rows, _ = _forward(model, batch, device)
         kl_sum += float(_kl(adapted, frozen, "sum"))
         n += rows.shape[0]
-        segments += [Segment(s.id, s.hidden.cpu(), s.tokens) for b, (c, ids, m) in enumerate(batch) for s in answer_segments(c, ids, m, hidden[b])]
+        segments += [Segment(g.id, g.hidden.cpu(), g.tokens) for b, s in enumerate(batch) for g in _segments(s, hidden[b], eos)]
     split = build_split(segments, recipe.num_heads, index, heads.config.context_size)
     metrics = evaluate(heads, split, recipe.decay)
     metrics["kl_to_frozen"] = kl_sum / max(n, 1)
