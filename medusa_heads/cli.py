@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-new-tokens", type=int, default=256)
     s.add_argument("--batch-size", type=int, default=16)
     s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--variant", default=None, metavar="NAME",
+                   help="a further answer per prompt, under ids <id>~NAME (with --temperature > 0); the held-out "
+                        "split follows the prompt")
     s.add_argument("--heads", default=None, help="draft with these heads (MedusaModel, one prompt at a time)")
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--seed", type=int, default=0)

@@ -136,9 +136,12 @@ def cmd_distill(args: argparse.Namespace) -> None:
     import torch
 
     from .model import MedusaModel
-    from .training.data import read_prompts, subsample
+    from .training.data import as_variant, read_prompts, subsample
     from .training.distill import distill
 
+    if args.variant and args.temperature <= 0:
+        raise SystemExit("--variant asks for a further answer to each prompt: give it a --temperature > 0, "
+                         "or it would repeat the greedy answers")
     if args.threads:
         torch.set_num_threads(args.threads)
     caps = {}
@@ -148,6 +151,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
             raise SystemExit(f"--cap expects SOURCE=N, got {c!r}")
         caps[source] = int(n)
     rows = subsample(read_prompts(args.prompts), caps, seed=args.seed)[: args.limit]
+    if args.variant:
+        rows = as_variant(rows, args.variant)
     base, tok = _load_base(args.model, prepack=args.prepack)
     medusa = MedusaModel.from_pretrained(base, heads=args.heads) if args.heads else None
     counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,

@@ -138,6 +138,29 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     p.write_text('{"prompt": "  "}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:1: empty prompt"):
         read_prompts(p)
+    p.write_text('{"prompt": "a"}\n{"prompt": "b", "id": "x~2"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: id 'x~2' contains '~'"):
+        read_prompts(p)
+
+
+def test_a_second_answer_per_prompt_gets_its_own_id_and_the_prompts_side_of_the_split(tmp_path):
+    from medusa_heads.cli import main
+    from medusa_heads.training.data import as_variant
+    from medusa_heads.training.trainer import is_eval
+
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(400)))
+    rows = read_prompts(p)
+    sampled = as_variant(rows, "t07")
+    assert [r.id for r in sampled[:2]] == ["p:1~t07", "p:2~t07"] and sampled[0].turns == rows[0].turns
+    held = [is_eval(r.id, 0.1) for r in rows]
+    assert 10 < sum(held) < 80  # the split is not degenerate...
+    assert held == [is_eval(r.id, 0.1) for r in sampled]  # ...and every answer to a prompt falls on its side
+    for bad in ["", "a~b", "a#b", " t"]:
+        with pytest.raises(ValueError, match="variant name"):
+            as_variant(rows, bad)
+    with pytest.raises(SystemExit, match="--temperature > 0"):  # a greedy second answer would repeat the first
+        main(["distill", "--prompts", str(p), "--out", str(tmp_path / "d.jsonl"), "--variant", "t0"])
     p.write_text('{"text": "a"}\n')
     with pytest.raises(ValueError, match=r'p.jsonl:1: a row needs exactly one of "prompt" or "turns"'):
         read_prompts(p)

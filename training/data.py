@@ -43,11 +43,29 @@ def read_prompts(path: str | os.PathLike) -> list[PromptRow]:
             if any(not t.strip() for t in turns):
                 raise ValueError(f"{where}: empty prompt")
             rid = str(obj.get("id", f"{path.stem}:{n}"))
+            if VARIANT_SEP in rid or "#" in rid:
+                raise ValueError(f"{where}: id {rid!r} contains '{VARIANT_SEP}' or '#', which mark answer variants and turns")
             if rid in seen:
                 raise ValueError(f"{where}: duplicate id {rid!r}")
             seen.add(rid)
             rows.append(PromptRow(rid, turns, obj.get("source"), obj.get("category")))
     return rows
+
+
+VARIANT_SEP = "~"  # "<prompt id>~<variant>": a further answer to the same prompt (e.g. sampled at T > 0)
+
+
+def prompt_id(conv_id: str) -> str:
+    """The prompt a conversation answers: its id without a variant suffix."""
+    return conv_id.split(VARIANT_SEP, 1)[0]
+
+
+def as_variant(rows: list[PromptRow], variant: str) -> list[PromptRow]:
+    """The same prompts under ids "<id>~<variant>", so that a further pass of distill appends a second answer to
+    each prompt instead of skipping it as done."""
+    if not variant or any(c in variant for c in (VARIANT_SEP, "#")) or variant != variant.strip():
+        raise ValueError(f"a variant name must be non-empty, without spaces around it and without '~' or '#', got {variant!r}")
+    return [PromptRow(f"{r.id}{VARIANT_SEP}{variant}", r.turns, r.source, r.category) for r in rows]
 
 
 def subsample(rows: list[PromptRow], caps: dict[str, int], seed: int = 0) -> list[PromptRow]:

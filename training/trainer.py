@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ..checkpoint import base_fingerprint, save_heads
 from ..config import MedusaConfig
 from ..heads import MedusaHeads
-from .data import read_conversations
+from .data import prompt_id, read_conversations
 from .features import Segment, load_segments
 from .loss import IGNORE, medusa_loss, topk_hits
 from .recipe import TrainRecipe
@@ -34,7 +34,9 @@ class Split:
 
 
 def is_eval(conv_id: str, fraction: float) -> bool:
-    return zlib.crc32(conv_id.encode()) % 10_000 < fraction * 10_000
+    """Held out or not, decided by the prompt: every answer to a prompt (its variants "<id>~<name>") falls on
+    the same side, so a second answer never leaks a held-out prompt into training."""
+    return zlib.crc32(prompt_id(conv_id).encode()) % 10_000 < fraction * 10_000
 
 
 def choose_draft_vocab(segments: list[Segment], size: int, vocab_size: int) -> list[int]:
