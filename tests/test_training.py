@@ -69,9 +69,9 @@ def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_data, tmp_path,
     assert torch.equal(model.generate(ids, max_new_tokens=30), ref)
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path, monkeypatch, accum):
-    full = train(recipe(tiny_data, tmp_path / "full", grad_accum=accum))
+@pytest.mark.parametrize("accum,soft", [(1, 0.0), (2, 0.0), (1, 0.5)])
+def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path, monkeypatch, accum, soft):
+    full = train(recipe(tiny_data, tmp_path / "full", grad_accum=accum, soft_weight=soft))
     real_save = trainer_mod.save_checkpoint
     calls = {"n": 0}
 
@@ -83,11 +83,11 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path, monkeypatc
 
     monkeypatch.setattr(trainer_mod, "save_checkpoint", crash_after_second_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        train(recipe(tiny_data, tmp_path / "cut", grad_accum=accum))
+        train(recipe(tiny_data, tmp_path / "cut", grad_accum=accum, soft_weight=soft))
     monkeypatch.setattr(trainer_mod, "save_checkpoint", real_save)
     with pytest.raises(ValueError, match="--resume"):
-        train(recipe(tiny_data, tmp_path / "cut", grad_accum=accum))
-    cut = train(recipe(tiny_data, tmp_path / "cut", grad_accum=accum), resume=True)
+        train(recipe(tiny_data, tmp_path / "cut", grad_accum=accum, soft_weight=soft))
+    cut = train(recipe(tiny_data, tmp_path / "cut", grad_accum=accum, soft_weight=soft), resume=True)
     a, b = load_file(full / "heads.safetensors"), load_file(cut / "heads.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

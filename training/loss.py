@@ -1,25 +1,58 @@
 """Medusa loss: sum over heads of w^(k-1) * CE(head_k(h_t), token_{t+k+1}), with per-head accuracy."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 IGNORE = -100
 
 
-def medusa_loss(head_logits: torch.Tensor, labels: torch.Tensor, decay: float = 0.8) -> tuple[torch.Tensor, dict[str, float]]:
+def medusa_loss(head_logits: torch.Tensor, labels: torch.Tensor, decay: float = 0.8,
+                soft: "SoftTargets | None" = None, soft_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """head_logits: (K, N, V') over the draft vocabulary; labels: (N, K) draft-vocabulary indices, IGNORE where
     there is no target (past the answer's end) or the token is outside the draft vocabulary.
-    Returns (loss, metrics) with metrics ce_k for each head k = 1..K."""
+    With `soft` and soft_weight = a, head k's term is (1 - a) * CE(labels) + a * CE(soft targets): the target's
+    own distribution where it wrote the labelled token (Hydra's teacher loss), not just its choice.
+    Returns (loss, metrics) with metrics ce_k (the hard-label CE) for each head k = 1..K."""
     k_heads = head_logits.shape[0]
     loss = head_logits.new_zeros((), dtype=torch.float32)
     metrics = {}
     for k in range(k_heads):
-        ce = F.cross_entropy(head_logits[k].float(), labels[:, k], ignore_index=IGNORE)
-        if torch.isfinite(ce):  # a batch with no target for this head adds nothing
-            loss = loss + decay**k * ce
+        logits = head_logits[k].float()
+        ce = F.cross_entropy(logits, labels[:, k], ignore_index=IGNORE)
+        term = ce if torch.isfinite(ce) else logits.new_zeros(())  # a batch with no target for this head adds nothing
+        if soft is not None and soft_weight > 0:
+            valid = soft.valid[:, k]
+            if valid.any():
+                logp = logits[valid].log_softmax(-1).gather(-1, soft.index[valid, k])  # (n, m)
+                soft_ce = -(soft.prob[valid, k].float() * logp).sum(-1).mean()
+                term = (1 - soft_weight) * term + soft_weight * soft_ce
+        loss = loss + decay**k * term
         metrics[f"ce_{k + 1}"] = float(ce.detach())
     return loss, metrics
+
+
+class SoftTargets(NamedTuple):
+    """For each position and head: the target's m most likely draft-vocabulary tokens at the position the head
+    guesses, with their probabilities renormalised over those m."""
+    index: torch.Tensor  # (N, K, m) draft-vocabulary indices
+    prob: torch.Tensor  # (N, K, m)
+    valid: torch.Tensor  # (N, K) bool: the head has a target there
+
+
+@torch.no_grad()
+def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, m: int, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (N, H) LM-head inputs, weight (V', H) the LM head's draft-vocabulary rows -> the m most likely
+    draft indices (N, m) int32 and their probabilities renormalised over those m (N, m) fp16."""
+    idx, prob = [], []
+    for a in range(0, hidden.shape[0], chunk):
+        logits = hidden[a : a + chunk].to(weight.dtype) @ weight.T
+        top = logits.float().topk(min(m, weight.shape[0]), dim=-1)
+        idx.append(top.indices.to(torch.int32))
+        prob.append(top.values.softmax(-1).to(torch.float16))  # renormalised over the m kept
+    return torch.cat(idx), torch.cat(prob)
 
 
 @torch.no_grad()

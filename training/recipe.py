@@ -19,6 +19,9 @@ class TrainRecipe:
     condition: str = "none"  # what heads see besides h_t: "none" (Medusa), "root" (+ the root token), "path" (+ root and drafted path)
     draft_vocab_size: int = 4096  # most frequent answer tokens the heads may propose; 0 = the whole vocabulary
     decay: float = 0.8  # loss weight of head k is decay ** (k - 1)
+    soft_weight: float = 0.0  # share of the soft-target loss: each head also learns the target's own distribution
+    # at the position it guesses (the frozen LM head over the cached features), not only the token it chose there
+    soft_topk: int = 32  # soft targets keep the target's m most likely draft tokens there, renormalised
     lr: float = 1e-3  # AdamW peak learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 50  # linear warm-up, then cosine decay to 0 at max_steps
@@ -50,6 +53,12 @@ class TrainRecipe:
             raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}, got {self.condition!r}")
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
+        if not 0 <= self.soft_weight <= 1:
+            raise ValueError(f"soft_weight must be in [0, 1], got {self.soft_weight}")
+        if self.soft_weight > 0 and self.lora_rank > 0:
+            raise ValueError("soft_weight applies to heads trained on cached features; joint (LoRA) training has no soft targets")
+        if self.soft_topk < 1:
+            raise ValueError(f"soft_topk must be >= 1, got {self.soft_topk}")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
         for name in ("num_heads", "max_steps", "batch_size", "grad_accum", "eval_every", "save_every"):

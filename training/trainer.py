@@ -20,7 +20,7 @@ from ..config import MedusaConfig
 from ..heads import MedusaHeads
 from .data import prompt_id, read_conversations
 from .features import Segment, load_segments
-from .loss import IGNORE, medusa_loss, topk_hits
+from .loss import IGNORE, SoftTargets, medusa_loss, teacher_topk, topk_hits
 from .recipe import TrainRecipe
 
 OOV = -1  # a real target token outside the draft vocabulary: never predictable, counted as a miss
@@ -76,6 +76,15 @@ def build_split(segments: list[Segment], num_heads: int, index: torch.Tensor, co
         targets.append(t)
         context.append(segment_context(s.tokens, context_size))
     return Split(torch.cat(hidden), torch.cat(targets), torch.cat(context))
+
+
+def soft_batch(teacher: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, targets: torch.Tensor) -> SoftTargets:
+    """Soft targets for the split rows `rows` (B,) with their targets (B, K): head k at row r guesses the token
+    written at row r + k (segments lie back to back in a split), so its soft target is the teacher's top-m there."""
+    index, prob = teacher
+    k_heads = targets.shape[1]
+    at = (rows[:, None] + torch.arange(1, k_heads + 1)).clamp(max=index.shape[0] - 1)  # (B, K)
+    return SoftTargets(index[at].long(), prob[at], targets != IGNORE)
 
 
 def coverage(split: Split) -> float:
@@ -218,6 +227,10 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
     )
     train_split = build_split(train_segs, recipe.num_heads, index, config.context_size)
     eval_split = build_split(eval_segs, recipe.num_heads, index, config.context_size)
+    teacher = None
+    if recipe.soft_weight > 0:  # the target's distribution at every train position, once (features are fixed)
+        rows = lm_weight[torch.tensor(vocab)].to(torch.bfloat16)
+        teacher = teacher_topk(train_split.hidden, rows, recipe.soft_topk)
     torch.manual_seed(recipe.seed)
     heads = MedusaHeads(config, lm_weight, embed_weight)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
@@ -251,7 +264,8 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
             t = train_split.targets[idx]
             with accelerator.accumulate(model):
                 logits = model(h, train_split.context[idx])
-                loss, _ = medusa_loss(logits, t.masked_fill(t == OOV, IGNORE), recipe.decay)
+                soft = soft_batch(teacher, idx, t) if teacher is not None else None
+                loss, _ = medusa_loss(logits, t.masked_fill(t == OOV, IGNORE), recipe.decay, soft, recipe.soft_weight)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}; the last good checkpoint is {ckpt}")
                 accelerator.backward(loss)
