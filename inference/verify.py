@@ -20,14 +20,18 @@ class TargetOutput:
         return TargetOutput(self.logits[b], self.hidden[b])
 
 
+def target_cache_kw(model: PreTrainedModel) -> str:
+    """The name under which this transformers version passes a KV cache to forward (and generate)."""
+    # transformers 5.24 renames `past_key_values` to `cache` (the old name still works, with a warning).
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Target:
     """Drives an unmodified transformers causal LM. Quirks of versions and families live here only."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
-        params = inspect.signature(model.forward).parameters
-        # transformers 5.24 renames `past_key_values` to `cache` (the old name still works, with a warning).
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = target_cache_kw(model)
         self.lm_head = LMHeadTap(model).lm_head  # raises for a model without one
 
     def _run(self, **kwargs) -> TargetOutput:

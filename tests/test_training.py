@@ -211,6 +211,29 @@ def test_distill_resumes_after_a_crash_without_loss_or_duplicates(tmp_path, monk
     assert all(s.hidden.shape == (s.tokens.shape[0], 32) and 1 <= s.tokens.shape[0] <= 6 for s in segs)
 
 
+def test_distilled_answers_and_features_are_the_targets_own_batched_greedy_answers(tmp_path, real_base):
+    from medusa_heads.training import distill as distill_mod
+    from medusa_heads.training.features import load_segments
+
+    _, tok = real_base
+    base = tiny_model("llama", seed=3, vocab_size=len(tok))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Hi", "Name three rivers in Europe.", "2+2?"]))
+    rows = read_prompts(prompts)
+    distill_mod.distill(base, tok, rows, tmp_path / "d.jsonl", max_new_tokens=12, batch_size=3, features=tmp_path / "f")
+    segs = {s.id: s for s in load_segments(tmp_path / "f")}
+    # the reference: transformers' own generate on the same left-padded batch, with its own (growing) cache
+    texts = [tok.apply_chat_template([{"role": "user", "content": r.turns[0]}], tokenize=False, add_generation_prompt=True) for r in rows]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ref = base.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)[:, enc["input_ids"].shape[1]:]
+    eos = {tok.eos_token_id}
+    for r, row in zip(rows, ref.tolist()):
+        n = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+        assert segs[f"{r.id}#0"].tokens.tolist() == row[:n]
+        logits = segs[f"{r.id}#0"].hidden.float() @ base.lm_head.weight.T  # each feature reproduces its token
+        assert torch.equal(logits.argmax(-1), segs[f"{r.id}#0"].tokens)
+
+
 def test_training_on_two_processes_through_accelerate(tiny_data, tmp_path):
     import subprocess
     import sys
