@@ -208,7 +208,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=dtype, device_map=args.device, prepack=prepack)
     fraction = config.extra.get("recipe", {}).get("eval_fraction", 0.05)
     ids = {c["id"] for c in read_conversations(args.data)}
-    held_out = [s for s in load_segments(args.features, keep_ids=ids) if is_eval(s.id.rsplit("#", 1)[0], fraction)]
+    held_out = [s for s in load_segments(args.features, keep_ids=ids) if is_eval(s.conv_id, fraction)]
     if not held_out:
         raise SystemExit(f"no held-out features found in {args.features} for {args.data}")
     ranks = correct_ranks(model.heads, held_out, topk=args.topk)

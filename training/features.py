@@ -17,9 +17,18 @@ from safetensors.torch import save_file
 
 @dataclass
 class Segment:
-    id: str
+    id: str  # "<conversation id>#<turn>"
     hidden: torch.Tensor  # (n, H)
     tokens: torch.Tensor  # (n,)
+
+    @property
+    def conv_id(self) -> str:
+        return conversation_of(self.id)
+
+
+def conversation_of(segment_id: str) -> str:
+    """The conversation a segment ("<conversation id>#<turn>") belongs to."""
+    return segment_id.rsplit("#", 1)[0]
 
 
 def write_shard(path: Path, segments: list[Segment]) -> None:
@@ -53,7 +62,7 @@ def load_segments(folder: str | os.PathLike, keep_ids: set[str] | None = None) -
             ids = json.loads(f.metadata()["ids"])
             hidden, tokens, offsets = f.get_tensor("hidden"), f.get_tensor("tokens"), f.get_tensor("offsets")
         for i, sid in enumerate(ids):
-            conv_id = sid.rsplit("#", 1)[0]
+            conv_id = conversation_of(sid)
             if sid in seen or (keep_ids is not None and conv_id not in keep_ids):
                 continue
             seen.add(sid)
@@ -97,7 +106,7 @@ def features_from_conversations(model, tokenizer, conversations: list[dict], fol
 
     from .data import tokenize_conversation
 
-    have = {s.id.rsplit("#", 1)[0] for s in load_segments(folder)}
+    have = {s.conv_id for s in load_segments(folder)}
     todo = [c for c in conversations if c["id"] not in have]
     segments: list[Segment] = []
     for conv in tqdm(todo, desc="features", unit="conv"):

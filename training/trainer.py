@@ -215,8 +215,8 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
     segments = load_segments(recipe.features, keep_ids=known)
     if not segments:
         raise ValueError(f"no features in {recipe.features} for the conversations in {recipe.data}")
-    train_segs = [s for s in segments if not is_eval(s.id.rsplit("#", 1)[0], recipe.eval_fraction)]
-    eval_segs = [s for s in segments if is_eval(s.id.rsplit("#", 1)[0], recipe.eval_fraction)]
+    train_segs = [s for s in segments if not is_eval(s.conv_id, recipe.eval_fraction)]
+    eval_segs = [s for s in segments if is_eval(s.conv_id, recipe.eval_fraction)]
     vocab = choose_draft_vocab(train_segs, recipe.draft_vocab_size, lm_weight.shape[0])
     index = torch.full((lm_weight.shape[0],), OOV, dtype=torch.long)
     index[torch.tensor(vocab)] = torch.arange(len(vocab))
