@@ -166,6 +166,8 @@ def export_reference(heads: MedusaHeads, lm_head_weight: torch.Tensor, out: str 
     cfg = heads.config
     if cfg.condition != "none":
         raise ValueError(f'heads with condition="{cfg.condition}" read token embeddings, which the reference Medusa layout has no place for')
+    if cfg.mlp_size:
+        raise ValueError(f"heads with mlp_size={cfg.mlp_size} have two-layer blocks; the reference Medusa layout holds one square linear per block")
     if cfg.own_lm_head and cfg.draft_vocab is not None:
         raise ValueError("heads with their own LM heads over a draft vocabulary have no full-vocabulary LM head to export")
     out = Path(out)

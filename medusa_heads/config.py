@@ -14,6 +14,7 @@ CONDITIONS = ("none", "root", "path")
 class MedusaConfig:
     num_heads: int = 4  # K: head k (1..K) guesses the token k+1 steps after the last accepted one
     num_layers: int = 1  # residual blocks per head
+    mlp_size: int = 0  # 0: each block is x + SiLU(W x + b) (Medusa); > 0: x + W2 SiLU(W1 x + b1) + b2, W1 (mlp_size, H)
     hidden_size: int = 0  # the base model's final hidden size (the LM head's input)
     vocab_size: int = 0  # the base model's vocabulary (rows of its LM head)
     own_lm_head: bool = False  # False: heads score through the base's frozen LM head; True: each has its own
@@ -31,6 +32,8 @@ class MedusaConfig:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.mlp_size < 0:
+            raise ValueError(f"mlp_size must be >= 0, got {self.mlp_size}")
         if self.condition not in CONDITIONS:
             raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}, got {self.condition!r}")
         if self.hidden_size < 1 or self.vocab_size < 1:

@@ -21,6 +21,26 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
+class MLPBlock(nn.Module):
+    """x + W2 SiLU(W1 x + b1) + b2: a wider residual block. W2 and b2 start at zero, so a new head is again the
+    identity; W1 keeps its default initialisation (a zero W1 would never receive a gradient)."""
+
+    def __init__(self, hidden_size: int, mlp_size: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden_size, mlp_size)
+        self.down = nn.Linear(mlp_size, hidden_size)
+        nn.init.zeros_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.silu(self.up(x)))
+
+
+def _block(config: MedusaConfig) -> nn.Module:
+    h = config.hidden_size
+    return MLPBlock(h, config.mlp_size) if config.mlp_size else ResBlock(h)
+
+
 class MedusaHeads(nn.Module):
     """Head k maps the hidden state h_t to logits for token t+1+k over the draft vocabulary.
 
@@ -41,7 +61,7 @@ class MedusaHeads(nn.Module):
         self.config = config
         h = config.hidden_size
         self.blocks = nn.ModuleList(
-            nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)]) for _ in range(config.num_heads)
+            nn.Sequential(*[_block(config) for _ in range(config.num_layers)]) for _ in range(config.num_heads)
         )
         if config.context_size:
             if embed_weight is None:

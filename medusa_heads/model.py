@@ -60,6 +60,7 @@ class MedusaModel(nn.Module):
         *,
         num_heads: int = 4,
         num_layers: int = 1,
+        mlp_size: int = 0,
         own_lm_head: bool = False,
         condition: str = "none",
         draft_vocab: Sequence[int] | None = None,
@@ -69,7 +70,7 @@ class MedusaModel(nn.Module):
         **base_kwargs,
     ) -> "MedusaModel":
         """base: the default model's name, a local HF directory, a hub id, or a loaded model.
-        heads: a heads directory; None for new (untrained) heads (num_heads, num_layers, own_lm_head,
+        heads: a heads directory; None for new (untrained) heads (num_heads, num_layers, mlp_size, own_lm_head,
         condition, draft_vocab shape them: see MedusaConfig); "auto" for the shipped heads when their
         base fingerprint matches this base (the default model), new heads otherwise. tree: preset name or rank paths (default: the heads' own).
         prepack: run the base's nn.Linear layers through oneDNN with prepacked weights (CPU, fp32 or bf16; see
@@ -95,6 +96,7 @@ class MedusaModel(nn.Module):
             config = MedusaConfig(
                 num_heads=num_heads,
                 num_layers=num_layers,
+                mlp_size=mlp_size,
                 hidden_size=lm_weight.shape[1],
                 vocab_size=lm_weight.shape[0],
                 own_lm_head=own_lm_head,

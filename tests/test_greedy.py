@@ -191,10 +191,10 @@ def test_half_precision_matches_greedy(arch, dtype):
     assert exact >= 2
 
 
-@pytest.mark.parametrize("condition", ["root", "path"])
-def test_token_conditioned_heads_match_greedy(condition):
+@pytest.mark.parametrize("condition,mlp_size", [("root", 0), ("path", 0), ("path", 48)])
+def test_token_conditioned_heads_match_greedy(condition, mlp_size):
     base = tiny_model("llama", seed=6)
-    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, condition=condition, tree="cpu-16"))
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, condition=condition, mlp_size=mlp_size, tree="cpu-16"))
     for seed in range(3):
         ids = torch.randint(0, 96, (1, 4 + 2 * seed), generator=torch.Generator().manual_seed(seed))
         ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)

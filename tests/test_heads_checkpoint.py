@@ -190,3 +190,27 @@ def test_token_conditioned_heads_round_trip_and_refuse_the_reference_layout(tmp_
         export_reference(heads, w, tmp_path / "ref")
     with pytest.raises(ValueError, match="condition must be one of"):
         MedusaConfig(hidden_size=8, vocab_size=20, condition="tokens")
+
+
+def test_mlp_heads_start_as_the_base_lm_head_round_trip_and_refuse_the_reference_layout(tmp_path):
+    from medusa_heads.checkpoint import export_reference
+
+    w, emb = torch.randn(20, 8), torch.randn(20, 8)
+    cfg = MedusaConfig(num_heads=2, num_layers=2, mlp_size=24, hidden_size=8, vocab_size=20, condition="path")
+    heads = MedusaHeads(cfg, w, emb)
+    h, context = torch.randn(5, 8), torch.randint(0, 20, (5, 2))
+    torch.testing.assert_close(heads(h, context)[1], h @ w.T)  # zero W2 and token projections: the base LM head
+    assert heads.blocks[0][0].up.weight.shape == (24, 8) and heads.blocks[0][0].up.weight.abs().sum() > 0
+    for p in heads.parameters():
+        p.data.normal_()
+    save_heads(tmp_path, heads)
+    back = load_heads(tmp_path, w, embed_weight=emb)
+    a, b = heads.state_dict(), back.state_dict()
+    assert sum(k.startswith("blocks.") for k in a) == 2 * 2 * 4  # (up, down) x (weight, bias) per block
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert back.config.mlp_size == 24 and torch.equal(back(h, context), heads(h, context))
+    cfg.condition = "none"
+    with pytest.raises(ValueError, match="mlp_size=24 have two-layer blocks"):
+        export_reference(MedusaHeads(cfg, w), w, tmp_path / "ref")
+    with pytest.raises(ValueError, match="mlp_size must be >= 0"):
+        MedusaConfig(hidden_size=8, vocab_size=20, mlp_size=-1)

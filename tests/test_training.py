@@ -52,9 +52,9 @@ def test_tapped_hidden_states_reproduce_the_greedy_tokens(tiny_data):
     assert torch.equal(logits.argmax(-1), seg.tokens)
 
 
-@pytest.mark.parametrize("condition", ["none", "path"])
-def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_data, tmp_path, condition):
-    out = train(recipe(tiny_data, tmp_path / "heads", num_heads=2, tree="cpu-8", max_steps=60, lr=1e-2, condition=condition))
+@pytest.mark.parametrize("condition,mlp_size", [("none", 0), ("path", 0), ("path", 64)])
+def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_data, tmp_path, condition, mlp_size):
+    out = train(recipe(tiny_data, tmp_path / "heads", num_heads=2, tree="cpu-8", max_steps=60, lr=1e-2, condition=condition, mlp_size=mlp_size))
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     trains = [r for r in log if r["kind"] == "train"]
     assert log[0]["kind"] == "data" and 0 < log[0]["coverage_eval"] <= 1
@@ -63,7 +63,7 @@ def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_data, tmp_path,
     assert (out / "train_plot.png").stat().st_size > 1000
     base = tiny_model("llama", seed=7)
     model = MedusaModel.from_pretrained(base, heads=out)
-    assert model.config.condition == condition
+    assert model.config.condition == condition and model.config.mlp_size == mlp_size
     ids = torch.tensor([[5, 6, 7]])
     ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=30), ref)

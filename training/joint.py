@@ -114,7 +114,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     index[torch.tensor(vocab)] = torch.arange(len(vocab))
 
     config = MedusaConfig(
-        num_heads=recipe.num_heads, num_layers=recipe.num_layers, condition=recipe.condition, hidden_size=lm_weight.shape[1],
+        num_heads=recipe.num_heads, num_layers=recipe.num_layers, mlp_size=recipe.mlp_size, condition=recipe.condition, hidden_size=lm_weight.shape[1],
         vocab_size=lm_weight.shape[0], draft_vocab=None if len(vocab) == lm_weight.shape[0] else vocab,
         tree=recipe.tree, base_fingerprint=fingerprint,
     )

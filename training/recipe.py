@@ -16,6 +16,7 @@ class TrainRecipe:
     out: str = "runs/heads"  # heads directory to write (loadable with MedusaModel.from_pretrained(base, heads=out))
     num_heads: int = 4  # K
     num_layers: int = 1  # residual blocks per head
+    mlp_size: int = 0  # 0: square residual blocks (Medusa); > 0: two-layer blocks H -> mlp_size -> H
     condition: str = "none"  # what heads see besides h_t: "none" (Medusa), "root" (+ the root token), "path" (+ root and drafted path)
     draft_vocab_size: int = 4096  # most frequent answer tokens the heads may propose; 0 = the whole vocabulary
     decay: float = 0.8  # loss weight of head k is decay ** (k - 1)
