@@ -97,7 +97,7 @@ def decode(
     `stopping`: a transformers StoppingCriteriaList."""
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
-    capacity = prompt_len + max_new_tokens + buffers.size
+    capacity = prompt_len + max_new_tokens + buffers.size + drafter.extra_nodes
     cache = new_cache(target.model, capacity) if cache is None else cache
     sequence = torch.empty(capacity, dtype=torch.long, device=input_ids.device)
     sequence[:prompt_len] = input_ids[0]
@@ -116,19 +116,20 @@ def decode(
         streamer.put(torch.tensor(chunk))
 
     while not state.done:
-        # 1. propose: the heads draft the tree below the root
+        # 1. propose: the heads draft the tree below the root (a drafter may grow it for this step)
         t0 = clock()
         root_t = state.sequence[state.length - 1 : state.length]
-        tree = torch.cat([root_t, drafter.draft(state.hidden, state.sequence[: state.length], buffers)])
+        drafted, step = drafter.draft_tree(state.hidden, state.sequence[: state.length], buffers)
+        tree = torch.cat([root_t, drafted])
         # 2. verify: one target forward over root + nodes
         t1 = clock()
-        out = target.verify(tree, state.past, cache, buffers)
+        out = target.verify(tree, state.past, cache, step)
         # 3. accept: longest path the target agrees with, plus the target's own next token
         t2 = clock()
         logits = out.logits
         if processors:
-            logits = process_tree(processors, state.sequence[: state.length - 1], tree, logits, buffers.mask)
-        nodes, bonus = rule.accept(tree, logits, buffers)
+            logits = process_tree(processors, state.sequence[: state.length - 1], tree, logits, step.mask)
+        nodes, bonus = rule.accept(tree, logits, step)
         # 4. commit: emit up to EOS or the budget; the cache keeps root + emitted nodes; the bonus is the next root
         t3 = clock()
         chunk = _emit(state, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos, stopping)

@@ -42,7 +42,8 @@ def _peak_mb(device: torch.device) -> float:
 
 def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_new_tokens: int = 128,
               sampling: dict | None = None, preset: str = "cpu-16") -> dict:
-    """methods: hf, hf-stock, pld, medusa (the calibrated tree), medusa-preset (`preset`), medusa:NAME (preset NAME).
+    """methods: hf, hf-stock, pld, medusa (the calibrated tree), medusa-preset (`preset`), medusa:NAME (preset NAME),
+    each medusa method optionally with "+pld" / "+pldN" (prompt lookup of N tokens merged into the tree).
     Returns {"overall": {method: stats}, "by_category": {cat: {method: stats}}, "profile": {...}}."""
     base = model.base_model
     device = base.device
@@ -59,9 +60,12 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         if method == "pld":
             return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  prompt_lookup_num_tokens=10, **gen), None
-        # "medusa": the calibrated tree; "medusa-preset": `preset`; "medusa:NAME": the preset NAME
-        model.set_tree(calibrated if method == "medusa" else preset if method == "medusa-preset" else method.split(":", 1)[1])
-        res = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **gen)
+        # "medusa": the calibrated tree; "medusa-preset": `preset`; "medusa:NAME": the preset NAME;
+        # a "+pld" or "+pldN" suffix adds prompt lookup (N tokens, default 10) to the heads' tree
+        name, _, lookup = method.partition("+pld")
+        model.set_tree(calibrated if name == "medusa" else preset if name == "medusa-preset" else name.split(":", 1)[1])
+        extra = dict(prompt_lookup_num_tokens=int(lookup or 10)) if "+pld" in method else {}
+        res = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **gen, **extra)
         return res.sequences, res.stats
 
     warm = chat_input_ids(tokenizer, [{"role": "user", "content": "Hello"}]).to(device)

@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     _prepack_arg(b)
     b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     b.add_argument("--methods", default="hf,pld,medusa,medusa-preset",
-                   help="hf, hf-stock (stock kernels), pld, medusa (calibrated tree), medusa-preset, medusa:PRESET")
+                   help="hf, hf-stock (stock kernels), pld, medusa (calibrated tree), medusa-preset, medusa:PRESET; "
+                        "a medusa method + '+pld' or '+pldN' adds prompt lookup (N tokens, default 10)")
     b.add_argument("--preset", default="cpu-16")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--do-sample", action="store_true")

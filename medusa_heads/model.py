@@ -19,7 +19,7 @@ from .heads import MedusaHeads
 from .inference.accept import TargetChoice, TypicalAcceptance
 from .inference.batch import decode_batch
 from .inference.decode import DecodeStats, decode
-from .inference.propose import Drafter, HeadsDrafter
+from .inference.propose import Drafter, HeadsDrafter, LookupDrafter
 from .inference.sampling import build_processors, build_warpers
 from .inference.prepack import prepack_linears
 from .inference.support import check_tree_attention
@@ -32,6 +32,7 @@ _SUPPORTED = {
     "max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p",
     "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "return_dict_in_generate",
     "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens",
+    "prompt_lookup_num_tokens", "max_matching_ngram_size",
 }
 _IGNORED = {"transformers_version", "_from_model_config", "_commit_hash", "generation_kwargs", "cache_implementation"}
 
@@ -165,7 +166,10 @@ class MedusaModel(nn.Module):
     ) -> torch.Tensor | MedusaGenerateOutput:
         """Like transformers' generate (decoder-only; a batch is left-padded, with its attention_mask). Greedy output equals the base model's greedy
         output token for token, and sampled output follows the base model's distribution exactly, unless
-        acceptance="typical" (Medusa's typical acceptance: faster, lossy)."""
+        acceptance="typical" (Medusa's typical acceptance: faster, lossy).
+        prompt_lookup_num_tokens=N (as in transformers) adds up to N tokens copied from the text so far after the
+        latest earlier occurrence of its last 3 (max_matching_ngram_size) or 2 tokens, merged into the heads' tree;
+        output is unchanged, only tau."""
         gc = self._generation_config(generation_config, kwargs)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
@@ -204,6 +208,12 @@ class MedusaModel(nn.Module):
             self.tree_buffers = self.tree_buffers.to(device)
         processors = build_processors(gc, input_ids.shape[1], logits_processor)
         drafter = drafter or HeadsDrafter(self.heads)
+        if gc.prompt_lookup_num_tokens:  # the heads' tree plus a continuation copied from the text so far
+            if batched:
+                raise ValueError("prompt_lookup_num_tokens grows each row's tree differently; it serves one unpadded "
+                                 "sequence at a time, so leave it unset for batched generation")
+            ngram = gc.max_matching_ngram_size or 3
+            drafter = LookupDrafter(drafter, gc.prompt_lookup_num_tokens, max_ngram=ngram, min_ngram=min(2, ngram))
         if batched:
             pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids or [None])[0]  # transformers' fallback
             if pad is None:

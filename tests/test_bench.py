@@ -19,7 +19,7 @@ def test_bench_writes_tables_and_greedy_methods_match(tmp_path, real_base):
     base = tiny_model("llama", seed=2, vocab_size=len(tok))
     model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-8"))
     rows = [PromptRow("a", ["Hello there"], category="chat"), PromptRow("b", ["Two turns", "and again"], category="multi")]
-    methods = ["hf", "hf-stock", "pld", "medusa", "medusa-preset", "medusa:cpu-8"]
+    methods = ["hf", "hf-stock", "pld", "medusa", "medusa-preset", "medusa:cpu-8", "medusa+pld", "medusa:chain-4+pld3"]
     result = run_bench(model, tok, rows, methods, max_new_tokens=8, preset="chain-4")
     assert set(result["overall"]) == set(methods) and set(result["by_category"]) == {"chat", "multi"}
     assert all(r["mismatches_vs_hf"] == 0 for r in result["overall"].values())

@@ -1,6 +1,7 @@
 """TreeBuffers: every tensor the decode loop needs for one TreeSpec, built once."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
@@ -42,33 +43,46 @@ class TreeBuffers:
         return TreeBuffers(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
+def _structure(parent: list[int]) -> dict:
+    """Everything about a tree that follows from its parent list (parent[0] = -1 for the root, every node after
+    its parent): mask, depth, parent, paths, path_len, children."""
+    t = len(parent)
+    depth = [0] * t
+    children: list[list[int]] = [[] for _ in range(t)]
+    for i in range(1, t):
+        if not 0 <= parent[i] < i:
+            raise ValueError(f"node {i} has parent {parent[i]}; a parent must come before its children")
+        depth[i] = depth[parent[i]] + 1
+        children[parent[i]].append(i)
+
+    mask = torch.zeros(t, t, dtype=torch.bool)
+    chains = []  # chains[i]: root -> i
+    for i in range(t):
+        chains.append([i] if i == 0 else chains[parent[i]] + [i])
+        mask[i, chains[i]] = True
+
+    leaves = [i for i in range(t) if not children[i]]
+    width = max(depth) + 1
+    paths = torch.tensor([chains[leaf] + [leaf] * (width - len(chains[leaf])) for leaf in leaves], dtype=torch.long)
+    return dict(
+        mask=mask,
+        depth=torch.tensor(depth, dtype=torch.long),
+        parent=torch.tensor(parent, dtype=torch.long),
+        paths=paths.reshape(len(leaves), width),
+        path_len=torch.tensor([len(chains[leaf]) for leaf in leaves], dtype=torch.long),
+        children=tuple(tuple(c) for c in children),
+    )
+
+
 def build_buffers(spec: TreeSpec) -> TreeBuffers:
     """Build the buffers for a validated spec."""
     nodes = [()] + list(spec.paths)
     index = {path: i for i, path in enumerate(nodes)}
     t, topk = len(nodes), spec.topk
-
     parent = [-1] + [index[p[:-1]] for p in spec.paths]
-    children: list[list[int]] = [[] for _ in range(t)]
-    for i in range(1, t):
-        children[parent[i]].append(i)
-
-    mask = torch.zeros(t, t, dtype=torch.bool)
-    for i, path in enumerate(nodes):
-        for d in range(len(path) + 1):
-            mask[i, index[path[:d]]] = True
-
-    leaves = [i for i in range(t) if not children[i]]
-    depth = spec.depth
-    paths = torch.zeros(len(leaves), depth + 1, dtype=torch.long)
-    path_len = torch.zeros(len(leaves), dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        chain = [index[nodes[leaf][:d]] for d in range(len(nodes[leaf]) + 1)]
-        paths[row] = torch.tensor(chain + [leaf] * (depth + 1 - len(chain)))
-        path_len[row] = len(chain)
 
     levels = []
-    for d in range(1, depth + 1):
+    for d in range(1, spec.depth + 1):
         nodes_d = [i for i in range(1, t) if len(nodes[i]) == d]
         parents = sorted({parent[i] for i in nodes_d})
         row = {p: r for r, p in enumerate(parents)}
@@ -81,14 +95,21 @@ def build_buffers(spec: TreeSpec) -> TreeBuffers:
         ))
 
     return TreeBuffers(
-        mask=mask,
-        depth=torch.tensor([len(p) for p in nodes], dtype=torch.long),
+        **_structure(parent),
         draft_index=torch.tensor([(len(p) - 1) * topk + p[-1] for p in spec.paths], dtype=torch.long),
-        parent=torch.tensor(parent, dtype=torch.long),
-        paths=paths,
-        path_len=path_len,
-        children=tuple(tuple(c) for c in children),
         topk=topk,
-        num_heads=depth,
+        num_heads=spec.depth,
         levels=tuple(levels),
     )
+
+
+def with_chain(buffers: TreeBuffers, below: int, length: int) -> TreeBuffers:
+    """The same tree plus a chain of `length` nodes hanging below node `below`, appended after the existing
+    nodes (whose indices, and so the heads' drafting buffers, stay as they are). A prompt-lookup continuation
+    takes these nodes; positions follow the depth as for any node."""
+    if not 0 <= below < buffers.size or length < 1:
+        raise ValueError(f"a chain of {length} nodes below node {below} does not fit a tree of {buffers.size} nodes")
+    parent = buffers.parent.tolist()
+    t = len(parent)
+    parent += [below] + list(range(t, t + length - 1))
+    return dataclasses.replace(buffers, **_structure(parent))
