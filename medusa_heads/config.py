@@ -23,6 +23,9 @@ class MedusaConfig:
     # token, known before drafting), "path" (the root and the tokens drafted above the node: Hydra-style heads).
     condition: str = "none"
     tree: list[list[int]] | str = DEFAULT_TREE  # preset name from configs/trees/ or rank paths
+    # generate()'s default prompt_lookup_num_tokens for unbatched generation: up to this many tokens copied from the
+    # text so far are merged into the tree (0: heads only); an explicit prompt_lookup_num_tokens (0 too) wins
+    lookup_tokens: int = 0
     base_fingerprint: dict | None = None  # {architecture, hidden_size, vocab_size, lm_head_sha256}
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # free-form provenance (training recipe, data, metrics)
@@ -32,6 +35,8 @@ class MedusaConfig:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.lookup_tokens < 0:
+            raise ValueError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
         if self.mlp_size < 0:
             raise ValueError(f"mlp_size must be >= 0, got {self.mlp_size}")
         if self.condition not in CONDITIONS:

@@ -169,7 +169,7 @@ class MedusaModel(nn.Module):
         acceptance="typical" (Medusa's typical acceptance: faster, lossy).
         prompt_lookup_num_tokens=N (as in transformers) adds up to N tokens copied from the text so far after the
         latest earlier occurrence of its last 3 (max_matching_ngram_size) or 2 tokens, merged into the heads' tree;
-        output is unchanged, only tau."""
+        output is unchanged, only tau. Unset, it is the heads' config.lookup_tokens (unbatched generation only)."""
         gc = self._generation_config(generation_config, kwargs)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
@@ -208,12 +208,15 @@ class MedusaModel(nn.Module):
             self.tree_buffers = self.tree_buffers.to(device)
         processors = build_processors(gc, input_ids.shape[1], logits_processor)
         drafter = drafter or HeadsDrafter(self.heads)
-        if gc.prompt_lookup_num_tokens:  # the heads' tree plus a continuation copied from the text so far
+        lookup = gc.prompt_lookup_num_tokens
+        if lookup is None and not batched:
+            lookup = self.config.lookup_tokens
+        if lookup:  # the heads' tree plus a continuation copied from the text so far
             if batched:
                 raise ValueError("prompt_lookup_num_tokens grows each row's tree differently; it serves one unpadded "
                                  "sequence at a time, so leave it unset for batched generation")
             ngram = gc.max_matching_ngram_size or 3
-            drafter = LookupDrafter(drafter, gc.prompt_lookup_num_tokens, max_ngram=ngram, min_ngram=min(2, ngram))
+            drafter = LookupDrafter(drafter, lookup, max_ngram=ngram, min_ngram=min(2, ngram))
         if batched:
             pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids or [None])[0]  # transformers' fallback
             if pad is None:

@@ -132,3 +132,20 @@ def test_real_model_lookup_matches_greedy_and_raises_tau_on_a_copying_prompt(rea
     looked = model.generate(ids, max_new_tokens=64, prompt_lookup_num_tokens=10, return_dict_in_generate=True)
     assert torch.equal(plain.sequences, ref) and torch.equal(looked.sequences, ref)
     assert looked.stats.mean_accepted > 1.5 * plain.stats.mean_accepted
+
+
+def test_the_heads_config_sets_the_default_lookup_and_an_explicit_value_wins(grown_steps):
+    base = tiny_model("llama", seed=2)
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-8"))
+    motif = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([motif, motif, motif[:3]])[None]
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    model.config.lookup_tokens = 5
+    assert torch.equal(model.generate(ids, max_new_tokens=20, prompt_lookup_num_tokens=0), ref)
+    assert grown_steps["grown"] == 0
+    assert torch.equal(model.generate(ids, max_new_tokens=20), ref)
+    assert grown_steps["grown"] > 0
+    batch = torch.cat([ids, ids])
+    assert torch.equal(model.generate(batch, max_new_tokens=20), torch.cat([ref, ref]))  # a batch drafts with the heads only
+    with pytest.raises(ValueError, match="lookup_tokens must be >= 0"):
+        type(model.config)(hidden_size=8, vocab_size=20, lookup_tokens=-1)
