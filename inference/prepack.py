@@ -41,6 +41,24 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN packed"
 
 
+class PackedWeight:
+    """x W^T through oneDNN for a weight that belongs to no nn.Linear (the heads' shared LM-head rows): not a
+    Module, so nothing is registered or saved; `weight` stays the tensor it was given."""
+
+    def __init__(self, weight: torch.Tensor, batch_hint: int = 8) -> None:
+        self.weight = weight
+        self.packed_as = (weight.dtype, weight.device)
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x weight^T, where `weight` is the owner's tensor now: once a .to() has replaced it, or for another
+        dtype or device, the packed copy no longer serves and the stock product runs."""
+        if weight is not self.weight or x.requires_grad or (x.dtype, x.device) != self.packed_as:
+            return x @ weight.T
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
 def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
     """Swap every nn.Linear of a CPU model in fp32 or bf16 for a PackedLinear; returns how many were swapped.
     Raises for a model on another device or in another dtype, or a PyTorch without oneDNN."""
@@ -56,6 +74,16 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
                                  "only fp32 or bf16 CPU models are packed")
             setattr(parent, name, PackedLinear(child, batch_hint))
             swapped += 1
+    return swapped
+
+
+def prepack_heads(heads: nn.Module, batch_hint: int = 8) -> int:
+    """prepack_linears for MedusaHeads, plus their scoring through the shared LM-head rows (drafting is a few rows
+    per level, where the stock kernels are slowest). Drafts only: exactness never depends on it."""
+    swapped = prepack_linears(heads, batch_hint)
+    if getattr(heads, "shared_weight", None) is not None:
+        heads.packed_scorer = PackedWeight(heads.shared_weight, batch_hint)
+        swapped += 1
     return swapped
 
 

@@ -89,6 +89,7 @@ class MedusaHeads(nn.Module):
         else:
             self.lm_heads = None
             self.register_buffer("shared_weight", rows, persistent=False)  # (V', H), frozen
+        self.packed_scorer = None  # inference.prepack.prepack_heads sets a oneDNN product with shared_weight
 
     def _check_context(self, h: torch.Tensor, context: torch.Tensor | None, width: int) -> None:
         if width == 0:
@@ -116,13 +117,16 @@ class MedusaHeads(nn.Module):
         -> (K, ..., V') logits over the draft vocabulary."""
         z = self.hidden(h, context)
         if self.lm_heads is None:
-            return z @ self.shared_weight.T  # one product for all heads: the weight is read once
+            return self._score(z)  # one product for all heads: the weight is read once
         return torch.stack([head(z[k]) for k, head in enumerate(self.lm_heads)])
 
     def head_logits(self, k: int, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) -> (..., V'): head k (0-based) alone."""
         z = self.head_hidden(k, h, context)
-        return z @ self.shared_weight.T if self.lm_heads is None else self.lm_heads[k](z)
+        return self._score(z) if self.lm_heads is None else self.lm_heads[k](z)
+
+    def _score(self, z: torch.Tensor) -> torch.Tensor:
+        return z @ self.shared_weight.T if self.packed_scorer is None else self.packed_scorer(z, self.shared_weight)
 
     def _ids(self, ranks: torch.Tensor) -> torch.Tensor:
         return ranks if self.draft_vocab is None else self.draft_vocab[ranks]

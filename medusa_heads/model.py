@@ -21,7 +21,7 @@ from .inference.batch import decode_batch
 from .inference.decode import DecodeStats, decode
 from .inference.propose import Drafter, HeadsDrafter, LookupDrafter
 from .inference.sampling import build_processors, build_warpers
-from .inference.prepack import prepack_linears
+from .inference.prepack import prepack_heads, prepack_linears
 from .inference.support import check_tree_attention
 from .inference.verify import Target
 from .models import DEFAULT_MODEL, default_heads_path, resolve_model
@@ -76,7 +76,8 @@ class MedusaModel(nn.Module):
         base fingerprint matches this base (the default model), new heads otherwise. tree: preset name or rank paths (default: the heads' own).
         prepack: run the base's nn.Linear layers through oneDNN with prepacked weights (CPU, fp32 or bf16; see
         inference/prepack.py): faster plain decoding and a nearly flat verify cost up to ~16 tree tokens. It swaps
-        the modules of `base` in place, so `base.generate` runs on the same kernels."""
+        the modules of `base` in place, so `base.generate` runs on the same kernels. Loaded heads are packed too
+        (drafting is a few rows per level, where the stock kernels are slowest); new heads (heads=None) are not."""
         if not isinstance(base, PreTrainedModel):
             base_kwargs.setdefault("dtype", torch.float32)
             base = AutoModelForCausalLM.from_pretrained(resolve_model(str(base)), **base_kwargs)
@@ -113,6 +114,8 @@ class MedusaModel(nn.Module):
             check_fingerprint(config, base, allow_base_mismatch)
             medusa_heads = load_heads(heads, lm_weight, config, embed_weight)
         medusa_heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
+        if prepack and heads is not None:  # trained heads draft through oneDNN too (new heads are for training)
+            prepack_heads(medusa_heads)
         return cls(base, medusa_heads, load_tree(tree) if tree is not None else None)
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:

@@ -74,3 +74,29 @@ def test_real_model_prepacked_matches_greedy():
         ids = chat_ids(tok, prompt)
         ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=96, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=96), ref), prompt
+
+
+def test_prepacked_heads_score_as_the_stock_heads_save_the_same_and_fall_back_when_cast(tmp_path):
+    from medusa_heads.checkpoint import save_heads
+    from medusa_heads.inference.prepack import prepack_heads
+
+    base = tiny_model("llama", seed=3)
+    trained = randomize_heads(MedusaModel.from_pretrained(base, heads=None, condition="path", mlp_size=24))
+    trained.save_pretrained(tmp_path / "h")
+    model = MedusaModel.from_pretrained(base, heads=tmp_path / "h", prepack=True)  # loaded heads are packed
+    heads = model.heads
+    assert is_prepacked(heads) and heads.packed_scorer is not None
+    h, context = torch.randn(7, 32), torch.randint(0, 96, (7, 4))
+    with torch.no_grad():
+        packed = heads(h, context)
+        scorer, heads.packed_scorer = heads.packed_scorer, None
+        with stock_kernels(heads):
+            stock = heads(h, context)
+        heads.packed_scorer = scorer
+        torch.testing.assert_close(packed, stock, rtol=1e-4, atol=1e-4)
+        assert not torch.equal(packed, heads.blocks[0](h) @ heads.shared_weight.T)  # the heads are not the identity
+        save_heads(tmp_path / "again", heads, model.config)
+        assert (tmp_path / "again" / "heads.safetensors").read_bytes() == (tmp_path / "h" / "heads.safetensors").read_bytes()
+        heads.to(torch.bfloat16)  # the packed copies no longer serve: the stock products run
+        torch.testing.assert_close(heads(h.bfloat16(), context).float(), stock, rtol=0.05, atol=0.1)
+    assert not is_prepacked(MedusaModel.from_pretrained(base, heads=None, prepack=True).heads)  # new heads are for training

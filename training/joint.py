@@ -116,7 +116,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     config = MedusaConfig(
         num_heads=recipe.num_heads, num_layers=recipe.num_layers, mlp_size=recipe.mlp_size, condition=recipe.condition, hidden_size=lm_weight.shape[1],
         vocab_size=lm_weight.shape[0], draft_vocab=None if len(vocab) == lm_weight.shape[0] else vocab,
-        tree=recipe.tree, base_fingerprint=fingerprint,
+        tree=recipe.tree, lookup_tokens=recipe.lookup_tokens, base_fingerprint=fingerprint,
     )
     torch.manual_seed(recipe.seed)
     if recipe.init_heads:  # stage 2 of Medusa-2: heads trained on the frozen target first

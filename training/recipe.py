@@ -35,6 +35,7 @@ class TrainRecipe:
     mixed_precision: str = "no"  # "no" (fp32) or "bf16", through accelerate
     seed: int = 0  # data order
     tree: str = "cpu-16"  # tree preset written into the heads' config (calibrate can replace it)
+    lookup_tokens: int = 0  # prompt-lookup tokens merged into the tree by default (written into the heads' config)
     # Medusa-2 (joint training): lora_rank > 0 trains peft LoRA adapters on the target together with the heads,
     # from the conversations themselves (no cached features: the target runs every step). Loss = heads' loss
     # + lm_weight * CE(target, distilled tokens) + kl_weight * KL(frozen target || adapted target), answers only.

@@ -223,7 +223,7 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
     config = MedusaConfig(
         num_heads=recipe.num_heads, num_layers=recipe.num_layers, mlp_size=recipe.mlp_size, condition=recipe.condition, hidden_size=lm_weight.shape[1],
         vocab_size=lm_weight.shape[0], draft_vocab=None if len(vocab) == lm_weight.shape[0] else vocab,
-        tree=recipe.tree, base_fingerprint=base_fingerprint(base),
+        tree=recipe.tree, lookup_tokens=recipe.lookup_tokens, base_fingerprint=base_fingerprint(base),
     )
     train_split = build_split(train_segs, recipe.num_heads, index, config.context_size)
     eval_split = build_split(eval_segs, recipe.num_heads, index, config.context_size)
