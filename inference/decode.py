@@ -97,7 +97,8 @@ def decode(
     `stopping`: a transformers StoppingCriteriaList."""
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
-    capacity = prompt_len + max_new_tokens + buffers.size + drafter.extra_nodes
+    growing = hasattr(drafter, "draft_tree")  # a GrowingDrafter (prompt lookup) may add nodes at a step
+    capacity = prompt_len + max_new_tokens + buffers.size + (drafter.extra_nodes if growing else 0)
     cache = new_cache(target.model, capacity) if cache is None else cache
     sequence = torch.empty(capacity, dtype=torch.long, device=input_ids.device)
     sequence[:prompt_len] = input_ids[0]
@@ -119,7 +120,8 @@ def decode(
         # 1. propose: the heads draft the tree below the root (a drafter may grow it for this step)
         t0 = clock()
         root_t = state.sequence[state.length - 1 : state.length]
-        drafted, step = drafter.draft_tree(state.hidden, state.sequence[: state.length], buffers)
+        sequence = state.sequence[: state.length]
+        drafted, step = drafter.draft_tree(state.hidden, sequence, buffers) if growing else (drafter.draft(state.hidden, sequence, buffers), buffers)
         tree = torch.cat([root_t, drafted])
         # 2. verify: one target forward over root + nodes
         t1 = clock()

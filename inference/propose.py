@@ -10,15 +10,19 @@ from ..tree.buffers import TreeBuffers, with_chain
 
 
 class Drafter(Protocol):
-    extra_nodes: int  # most nodes draft_tree may add to the tree it is given
-
     def draft(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
         """hidden: (H,) the LM head's input at the last accepted token; sequence: (L,) every token so far,
         the root (the target's next token, not yet verified) last. Returns (N,) tokens for nodes 1..N."""
         ...
 
+
+class GrowingDrafter(Drafter, Protocol):
+    """A drafter that may add nodes to the tree for one step (the decode loop asks it with draft_tree)."""
+
+    extra_nodes: int  # most nodes draft_tree adds to the tree it is given
+
     def draft_tree(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, TreeBuffers]:
-        """As draft, for a tree this step may grow: (tokens for nodes 1..N', the buffers of that tree)."""
+        """As draft, for the tree of this step: (tokens for nodes 1..N', the buffers of that tree)."""
         ...
 
 
@@ -27,13 +31,8 @@ class HeadsDrafter:
     draft the whole tree in one product; path-conditioned heads draft level by level, each parent's children
     from head `depth` given the tokens on the parent's path."""
 
-    extra_nodes = 0
-
     def __init__(self, heads: MedusaHeads) -> None:
         self.heads = heads
-
-    def draft_tree(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, TreeBuffers]:
-        return self.draft(hidden, sequence, buffers), buffers
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
@@ -73,7 +72,7 @@ class LookupDrafter:
     below as a chain, so a step costs extra verify positions only for tokens the heads did not draft. Acceptance
     is unchanged (longest path the target agrees with), so output stays exactly the target's."""
 
-    def __init__(self, inner: HeadsDrafter, max_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
+    def __init__(self, inner: Drafter, max_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
         if max_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs max_tokens >= 1 and 1 <= min_ngram <= max_ngram, got "
                              f"{max_tokens}, {min_ngram}, {max_ngram}")

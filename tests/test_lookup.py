@@ -46,8 +46,6 @@ def test_a_chain_below_a_node_extends_mask_depth_and_paths_and_leaves_the_heads_
 class FixedDrafter:
     """Drafts the same tokens at every step."""
 
-    extra_nodes = 0
-
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = T(tokens)
 

@@ -78,7 +78,6 @@ def test_real_model_prepacked_matches_greedy():
 
 def test_prepacked_heads_score_as_the_stock_heads_save_the_same_and_fall_back_when_cast(tmp_path):
     from medusa_heads.checkpoint import save_heads
-    from medusa_heads.inference.prepack import prepack_heads
 
     base = tiny_model("llama", seed=3)
     trained = randomize_heads(MedusaModel.from_pretrained(base, heads=None, condition="path", mlp_size=24))
