@@ -126,10 +126,12 @@ def test_real_model_lookup_matches_greedy_and_raises_tau_on_a_copying_prompt(rea
             "and the schedule of the summer festival.")
     ids = chat_ids(tok, f"Repeat this sentence word for word, then say 'done':\n{text}")
     ref = base.generate(ids, max_new_tokens=64, do_sample=False)
-    plain = model.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
+    plain = model.generate(ids, max_new_tokens=64, prompt_lookup_num_tokens=0, return_dict_in_generate=True)  # heads only
+    shipped = model.generate(ids, max_new_tokens=64, return_dict_in_generate=True)  # the heads' config: lookup on
     looked = model.generate(ids, max_new_tokens=64, prompt_lookup_num_tokens=10, return_dict_in_generate=True)
-    assert torch.equal(plain.sequences, ref) and torch.equal(looked.sequences, ref)
+    assert torch.equal(plain.sequences, ref) and torch.equal(looked.sequences, ref) and torch.equal(shipped.sequences, ref)
     assert looked.stats.mean_accepted > 1.5 * plain.stats.mean_accepted
+    assert model.config.lookup_tokens == 10 and shipped.stats.mean_accepted == looked.stats.mean_accepted
 
 
 def test_the_heads_config_sets_the_default_lookup_and_an_explicit_value_wins(grown_steps):
