@@ -62,9 +62,9 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                                  prompt_lookup_num_tokens=10, **gen), None
         # "medusa": the calibrated tree; "medusa-preset": `preset`; "medusa:NAME": the preset NAME;
         # a "+pld" or "+pldN" suffix adds prompt lookup (N tokens, default 10) to the heads' tree
-        name, _, lookup = method.partition("+pld")
+        name, with_lookup, lookup = method.partition("+pld")
         model.set_tree(calibrated if name == "medusa" else preset if name == "medusa-preset" else name.split(":", 1)[1])
-        extra = dict(prompt_lookup_num_tokens=int(lookup or 10)) if "+pld" in method else {}
+        extra = dict(prompt_lookup_num_tokens=int(lookup or 10)) if with_lookup else {}
         res = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **gen, **extra)
         return res.sequences, res.stats
 

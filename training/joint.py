@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ..checkpoint import base_fingerprint, save_heads
-from ..config import MedusaConfig
 from ..heads import MedusaHeads
 from ..inference.tap import LMHeadTap
 from .data import read_conversations, tokenize_conversation
@@ -113,11 +112,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     index = torch.full((lm_weight.shape[0],), OOV, dtype=torch.long)
     index[torch.tensor(vocab)] = torch.arange(len(vocab))
 
-    config = MedusaConfig(
-        num_heads=recipe.num_heads, num_layers=recipe.num_layers, mlp_size=recipe.mlp_size, condition=recipe.condition, hidden_size=lm_weight.shape[1],
-        vocab_size=lm_weight.shape[0], draft_vocab=None if len(vocab) == lm_weight.shape[0] else vocab,
-        tree=recipe.tree, lookup_tokens=recipe.lookup_tokens, base_fingerprint=fingerprint,
-    )
+    config = recipe.heads_config(*lm_weight.shape, vocab, fingerprint)
     torch.manual_seed(recipe.seed)
     if recipe.init_heads:  # stage 2 of Medusa-2: heads trained on the frozen target first
         from ..checkpoint import check_fingerprint, load_config, load_heads

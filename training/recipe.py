@@ -69,6 +69,17 @@ class TrainRecipe:
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
 
+    def heads_config(self, vocab_size: int, hidden_size: int, vocab: list[int], fingerprint: dict):
+        """The MedusaConfig of the heads this recipe trains over a base of that shape: the recipe's head fields,
+        the draft vocabulary `vocab` (None when it is the whole vocabulary) and the base's fingerprint."""
+        from ..config import MedusaConfig
+
+        return MedusaConfig(
+            num_heads=self.num_heads, num_layers=self.num_layers, mlp_size=self.mlp_size, condition=self.condition,
+            hidden_size=hidden_size, vocab_size=vocab_size, draft_vocab=None if len(vocab) == vocab_size else vocab,
+            tree=self.tree, lookup_tokens=self.lookup_tokens, base_fingerprint=fingerprint,
+        )
+
     @classmethod
     def load(cls, path: str | Path | None, overrides: list[str] = ()) -> "TrainRecipe":
         values = {}

@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ..checkpoint import base_fingerprint, save_heads
-from ..config import MedusaConfig
 from ..heads import MedusaHeads
 from .data import prompt_id, read_conversations
 from .features import Segment, load_segments
@@ -220,11 +219,7 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
     vocab = choose_draft_vocab(train_segs, recipe.draft_vocab_size, lm_weight.shape[0])
     index = torch.full((lm_weight.shape[0],), OOV, dtype=torch.long)
     index[torch.tensor(vocab)] = torch.arange(len(vocab))
-    config = MedusaConfig(
-        num_heads=recipe.num_heads, num_layers=recipe.num_layers, mlp_size=recipe.mlp_size, condition=recipe.condition, hidden_size=lm_weight.shape[1],
-        vocab_size=lm_weight.shape[0], draft_vocab=None if len(vocab) == lm_weight.shape[0] else vocab,
-        tree=recipe.tree, lookup_tokens=recipe.lookup_tokens, base_fingerprint=base_fingerprint(base),
-    )
+    config = recipe.heads_config(*lm_weight.shape, vocab, base_fingerprint(base))
     train_split = build_split(train_segs, recipe.num_heads, index, config.context_size)
     eval_split = build_split(eval_segs, recipe.num_heads, index, config.context_size)
     teacher = None
