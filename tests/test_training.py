@@ -125,6 +125,22 @@ def test_recipe_keys_and_overrides(tmp_path):
         TrainRecipe.load(path, ["bogus=1"])
     with pytest.raises(ValueError, match="max_steps must be int"):
         TrainRecipe.load(path, ["max_steps=ten"])
+    assert TrainRecipe.load(path, ["lr=2e-4"]).lr == 2e-4  # YAML 1.1 reads this as a string
+    with pytest.raises(ValueError, match="lr must be float, got 'fast'"):
+        TrainRecipe.load(path, ["lr=fast"])
+
+
+def test_joint_batches_cover_the_epoch_once_in_like_lengths_and_repeat_for_a_seed():
+    from medusa_heads.training.joint import epoch_batches
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 600, (203,), generator=g).tolist()
+    batches = epoch_batches(lengths, 8, seed=5, pool=4)
+    seen = [i for b in batches for i in b]
+    assert len(batches) == 203 // 8 and all(len(b) == 8 for b in batches) and len(set(seen)) == len(seen) == 200
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches) / sum(lengths[i] for i in seen)
+    assert padded < 1.25  # random batches of 8 pad about 1.7x
+    assert batches == epoch_batches(lengths, 8, seed=5, pool=4) and batches != epoch_batches(lengths, 8, seed=6, pool=4)
 
 
 def test_prompt_file_errors_name_the_line(tmp_path):

@@ -101,6 +101,11 @@ class TrainRecipe:
             want = {"int": int, "float": float, "str": str}[types[key]]
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
+            if want is float and isinstance(value, str):  # YAML 1.1 reads 2e-4 (no dot) as a string
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
             if not isinstance(value, want) or isinstance(value, bool):
                 raise ValueError(f"recipe key {key} must be {types[key]}, got {value!r}")
             values[key] = value
