@@ -26,7 +26,7 @@ from .data import read_conversations, tokenize_conversation
 from .features import Segment, answer_segments
 from .loss import IGNORE, medusa_loss
 from .recipe import TrainRecipe
-from .trainer import OOV, build_split, choose_draft_vocab, evaluate, is_eval, load_checkpoint, plot_log, prepare_output, save_checkpoint
+from .trainer import OOV, build_split, choose_draft_vocab, draft_index, evaluate, is_eval, load_checkpoint, plot_log, prepare_output, save_checkpoint
 
 ADAPTER_DIR = "adapter"
 
@@ -125,8 +125,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     eval_seqs = [s for s in seqs if is_eval(s.id, recipe.eval_fraction)]
     vocab = choose_draft_vocab([seg for s in train_seqs for seg in _segments(s, None, eos)],
                                recipe.draft_vocab_size, lm_weight.shape[0])
-    index = torch.full((lm_weight.shape[0],), OOV, dtype=torch.long)
-    index[torch.tensor(vocab)] = torch.arange(len(vocab))
+    index = draft_index(vocab, lm_weight.shape[0])
 
     config = recipe.heads_config(*lm_weight.shape, vocab, fingerprint)
     torch.manual_seed(recipe.seed)
@@ -140,8 +139,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
                              f"the recipe says num_heads={recipe.num_heads}, condition={recipe.condition!r}")
         heads = load_heads(recipe.init_heads, lm_weight, config, embed_weight)
         vocab = config.draft_vocab or list(range(lm_weight.shape[0]))
-        index = torch.full((lm_weight.shape[0],), OOV, dtype=torch.long)
-        index[torch.tensor(vocab)] = torch.arange(len(vocab))
+        index = draft_index(vocab, lm_weight.shape[0])
     else:
         heads = MedusaHeads(config, lm_weight, embed_weight)
     lora = LoraConfig(r=recipe.lora_rank, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,

@@ -52,6 +52,13 @@ def choose_draft_vocab(segments: list[Segment], size: int, vocab_size: int) -> l
     return sorted(ranked)
 
 
+def draft_index(vocab: list[int], vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) map from a token id to its row in the draft vocabulary `vocab`, OOV outside it."""
+    index = torch.full((vocab_size,), OOV, dtype=torch.long)
+    index[torch.tensor(vocab)] = torch.arange(len(vocab))
+    return index
+
+
 def segment_context(tokens: torch.Tensor, width: int) -> torch.Tensor:
     """(n,) -> (n, width): row i is tokens[i : i + width], the root (the target's own token from hidden[i]) and
     the true path after it, repeating the last token past the end (where no head has a target left)."""
@@ -217,8 +224,7 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
     train_segs = [s for s in segments if not is_eval(s.conv_id, recipe.eval_fraction)]
     eval_segs = [s for s in segments if is_eval(s.conv_id, recipe.eval_fraction)]
     vocab = choose_draft_vocab(train_segs, recipe.draft_vocab_size, lm_weight.shape[0])
-    index = torch.full((lm_weight.shape[0],), OOV, dtype=torch.long)
-    index[torch.tensor(vocab)] = torch.arange(len(vocab))
+    index = draft_index(vocab, lm_weight.shape[0])
     config = recipe.heads_config(*lm_weight.shape, vocab, base_fingerprint(base))
     train_split = build_split(train_segs, recipe.num_heads, index, config.context_size)
     eval_split = build_split(eval_segs, recipe.num_heads, index, config.context_size)
