@@ -179,6 +179,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     per_step = recipe.batch_size
     steps_per_epoch = max(len(train_seqs) // per_step, 1)
     bar = tqdm(total=recipe.max_steps, initial=step, desc="train (joint)")
+    last_eval = None  # the evaluation at max_steps, reused for the heads' config (it costs two forwards per answer)
     t0 = time.time()
     while step < recipe.max_steps:
         epoch, pos = divmod(step * recipe.grad_accum, steps_per_epoch)
@@ -198,7 +199,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
         loss = float(loss.detach())
         bar.set_postfix(loss=f"{loss:.3f}", kl=f"{parts['kl']:.4f}")
         if step % recipe.eval_every == 0 or step == recipe.max_steps:
-            metrics = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device, eos)
+            metrics = last_eval = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device, eos)
             with log_path.open("a") as f:
                 f.write(json.dumps({"kind": "train", "step": step, "loss": loss, **parts, "seconds": time.time() - t0}) + "\n")
                 f.write(json.dumps({"kind": "eval", "step": step, **metrics}) + "\n")
@@ -210,7 +211,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     bar.close()
     final = accelerator.unwrap_model(heads)
     final.config.extra = {"recipe": recipe.to_dict(), "adapter": ADAPTER_DIR,
-                          "final_eval": evaluate_joint(model, final, eval_seqs or train_seqs[:8], index, recipe, device, eos)}
+                          "final_eval": last_eval or evaluate_joint(model, final, eval_seqs or train_seqs[:8], index, recipe, device, eos)}
     save_heads(out, final, final.config)
     accelerator.unwrap_model(model).save_pretrained(out / ADAPTER_DIR, safe_serialization=True)
     return out
