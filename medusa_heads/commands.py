@@ -35,8 +35,12 @@ def _load_medusa(args: argparse.Namespace):
     """Base model, tokenizer and MedusaModel for the generating commands (--model, --heads, --tree)."""
     from .model import MedusaModel
 
-    base, tok = _load_base(args.model, args.dtype, args.prepack)
-    return MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=getattr(args, "tree", None)), tok
+    from .inference.prepack import prepack_supported
+
+    # from_pretrained prepacks: after merging a Medusa-2 adapter into the base, and the loaded heads too
+    base, tok = _load_base(args.model, args.dtype, prepack=False)
+    prepack = args.prepack and prepack_supported()
+    return MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=getattr(args, "tree", None), prepack=prepack), tok
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

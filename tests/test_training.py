@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from medusa_heads import MedusaModel
 from medusa_heads.training import trainer as trainer_mod
 from medusa_heads.training.data import append_conversations, read_conversations, read_prompts
+from medusa_heads.inference.prepack import prepack_linears, prepack_supported
 from medusa_heads.inference.tap import LMHeadTap
 from medusa_heads.training.features import Segment, answer_segments, next_shard_path, write_shard
 from medusa_heads.training.recipe import TrainRecipe
@@ -458,6 +459,13 @@ def test_joint_lora_training_saves_heads_with_their_adapter_and_generation_is_ex
     ids = torch.tensor([[5, 6, 7, 8]])
     ref = adapted.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=24), ref)
+    if prepack_supported():  # the adapter is merged before the linears are packed (as the CLI loads)
+        packed = MedusaModel.from_pretrained(tiny_model("llama", seed=1, vocab_size=49152), heads=out, prepack=True)
+        assert torch.equal(packed.generate(ids, max_new_tokens=24), ref)
+        prepacked_base = tiny_model("llama", seed=1, vocab_size=49152)
+        prepack_linears(prepacked_base)
+        with pytest.raises(ValueError, match="already prepacked"):
+            MedusaModel.from_pretrained(prepacked_base, heads=out)
     first = {n: p for n, p in original.named_parameters()}
     assert any(not torch.equal(p, first[n]) for n, p in adapted.named_parameters()), "the adapter must change the target"
 
