@@ -179,11 +179,14 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     per_step = recipe.batch_size
     steps_per_epoch = max(len(train_seqs) // per_step, 1)
     bar = tqdm(total=recipe.max_steps, initial=step, desc="train (joint)")
+    lengths, batches_of = [s.ids.shape[0] for s in train_seqs], {}
     last_eval = None  # the evaluation at max_steps, reused for the heads' config (it costs two forwards per answer)
     t0 = time.time()
     while step < recipe.max_steps:
         epoch, pos = divmod(step * recipe.grad_accum, steps_per_epoch)
-        batches = epoch_batches([s.ids.shape[0] for s in train_seqs], per_step, recipe.seed * 100_003 + epoch)
+        if epoch not in batches_of:  # once an epoch
+            batches_of = {epoch: epoch_batches(lengths, per_step, recipe.seed * 100_003 + epoch)}
+        batches = batches_of[epoch]
         for micro in range(recipe.grad_accum):
             batch = [train_seqs[i] for i in batches[(pos + micro) % steps_per_epoch]]
             with accelerator.accumulate(model, heads):
