@@ -248,10 +248,10 @@ def _merge_adapter(base: PreTrainedModel, heads: Path) -> PreTrainedModel:
     checking that the heads were trained for this base. Generation is then exact for the ADAPTED model."""
     from peft import PeftModel
 
-    from .inference.prepack import PackedLinear
+    from .inference.prepack import is_prepacked
 
     check_fingerprint(load_config(heads), base)
-    if any(isinstance(m, PackedLinear) for m in base.modules()):
+    if is_prepacked(base):
         raise ValueError(f"{heads} holds a LoRA adapter, which cannot be merged into a base whose linears are already "
                          "prepacked: pass the unpacked base and from_pretrained(..., prepack=True), which merges first")
     return PeftModel.from_pretrained(base, heads / "adapter").merge_and_unload()

@@ -123,11 +123,6 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
         raise ValueError(f"no answers to train on in {recipe.data}")
     train_seqs = [s for s in seqs if not is_eval(s.id, recipe.eval_fraction)]
     eval_seqs = [s for s in seqs if is_eval(s.id, recipe.eval_fraction)]
-    vocab = choose_draft_vocab([seg for s in train_seqs for seg in _segments(s, None, eos)],
-                               recipe.draft_vocab_size, lm_weight.shape[0])
-    index = draft_index(vocab, lm_weight.shape[0])
-
-    config = recipe.heads_config(*lm_weight.shape, vocab, fingerprint)
     torch.manual_seed(recipe.seed)
     if recipe.init_heads:  # stage 2 of Medusa-2: heads trained on the frozen target first
         from ..checkpoint import check_fingerprint, load_config, load_heads
@@ -139,9 +134,12 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
                              f"the recipe says num_heads={recipe.num_heads}, condition={recipe.condition!r}")
         heads = load_heads(recipe.init_heads, lm_weight, config, embed_weight)
         vocab = config.draft_vocab or list(range(lm_weight.shape[0]))
-        index = draft_index(vocab, lm_weight.shape[0])
-    else:
+    else:  # the draft vocabulary from the training answers, as in Medusa-1 training
+        vocab = choose_draft_vocab([seg for s in train_seqs for seg in _segments(s, None, eos)],
+                                   recipe.draft_vocab_size, lm_weight.shape[0])
+        config = recipe.heads_config(*lm_weight.shape, vocab, fingerprint)
         heads = MedusaHeads(config, lm_weight, embed_weight)
+    index = draft_index(vocab, lm_weight.shape[0])
     lora = LoraConfig(r=recipe.lora_rank, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
                       target_modules=[t.strip() for t in recipe.lora_targets.split(",") if t.strip()])
     model = get_peft_model(base, lora)
