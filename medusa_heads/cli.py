@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--out", default="results")
     b.set_defaults(fn=cmd_bench)
 
-    e = sub.add_parser("export", help="write heads in another layout (--format medusa: the reference/vLLM layout)")
+    e = sub.add_parser("export", help="write heads in another layout (--format vllm: what vLLM serves; medusa: the reference layout)")
     e.add_argument("heads_dir")
     e.add_argument("out")
-    e.add_argument("--format", choices=["medusa"], default="medusa")
+    e.add_argument("--format", choices=["vllm", "medusa"], default="medusa")
     e.add_argument("--model", default=DEFAULT_MODEL)
     e.set_defaults(fn=cmd_export)
 

@@ -271,10 +271,17 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    """Write heads in the reference Medusa layout (medusa_lm_head.safetensors + config.json), which vLLM reads."""
-    from .checkpoint import export_reference
+    """Write heads in another layout: --format medusa, the reference layout (medusa_lm_head.safetensors +
+    config.json); --format vllm, everything vLLM 0.32's Medusa reads (biases, draft vocabulary, shared LM head)."""
+    from .checkpoint import export_reference, export_vllm, is_reference_dir, load_config, vllm_exportable
     from .model import MedusaModel
 
-    model = MedusaModel.from_pretrained(args.model, heads=args.heads_dir)
-    out = export_reference(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)
+    try:
+        if args.format == "vllm" and not is_reference_dir(args.heads_dir):
+            vllm_exportable(load_config(args.heads_dir))  # refuse before loading the model
+        model = MedusaModel.from_pretrained(args.model, heads=args.heads_dir, prepack=False)
+        export = export_vllm if args.format == "vllm" else export_reference
+        out = export(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"medusa-heads export: {e}") from None
     print(f"exported to {out}", file=sys.stderr)

@@ -61,11 +61,17 @@ def default_model_path() -> Path:
     return target
 
 
-def default_heads_path() -> Path:
-    """Directory of the trained heads shipped for the default model."""
-    path = Path(__file__).parent / "default_heads"
+HEADS_KINDS = {"tree": "default_heads", "serving": "default_heads_serving"}
+
+
+def default_heads_path(kind: str = "tree") -> Path:
+    """Directory of heads shipped for the default model: "tree" (our decoder's path-conditioned heads, the default)
+    or "serving" (Medusa-1 heads that vLLM runs: `medusa-heads export --format vllm`)."""
+    if kind not in HEADS_KINDS:
+        raise ValueError(f"heads kind must be one of {', '.join(HEADS_KINDS)}, got {kind!r}")
+    path = Path(__file__).parent / HEADS_KINDS[kind]
     if not (path / "heads.safetensors").is_file():
-        raise FileNotFoundError(f"no default heads are shipped at {path}; train them with `medusa-heads train`")
+        raise FileNotFoundError(f"no {kind} heads are shipped at {path}; train them with `medusa-heads train`")
     return path
 
 
