@@ -86,8 +86,12 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--threads", type=int, default=None)
     t.set_defaults(fn=cmd_train)
 
-    c = sub.add_parser("calibrate", help="choose the fastest tree for these heads on this machine")
+    c = sub.add_parser("calibrate", help="choose the fastest tree for these heads on this machine, and measure what "
+                                         "the per-step tree runs on (acceptance, prompt lookup, cost)")
     c.add_argument("--heads", required=True)
+    c.add_argument("--parts", default="tree,acceptance,lookup,cost",
+                   help="what to measure: tree (the fixed tree, config.tree), acceptance, lookup, cost (config.adaptive; "
+                        "cost is stored per kernels, beside the other kernels' entries)")
     c.add_argument("--model", default=DEFAULT_MODEL)
     c.add_argument("--data", default="data/distilled.jsonl")
     c.add_argument("--features", default="data/features")
@@ -96,6 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--context", type=int, default=300, help="cached tokens when timing the verify pass")
     c.add_argument("--repeats", type=int, default=5, help="timed forwards per size (the median is used)")
     c.add_argument("--overhead-ms", type=float, default=3.0, help="per-step Python work besides heads and verify")
+    c.add_argument("--accept-topk", type=int, default=8, help="candidates per head in the acceptance calibration and "
+                                                              "per parent when timing a drafting level")
+    c.add_argument("--lookup-tokens", type=int, default=10, help="prompt-lookup continuation length measured")
+    c.add_argument("--contexts", default="256,1024,4096", help="cached context lengths of the cost model")
+    c.add_argument("--report", default=None, help="folder for a calibration report (report.md, reliability.png)")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     _prepack_arg(c)
     c.add_argument("--device", default=None)

@@ -194,48 +194,137 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    """Choose the tree that maximises predicted tokens/s on this machine; write it into the heads' config."""
+    """Measure on held-out data and this machine, and write into the heads' config: the fixed tree that maximises
+    predicted tokens/s (part "tree"), and what the per-step tree runs on (config.adaptive): calibrated acceptance
+    ("acceptance"), prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost")."""
     import torch
 
     from .checkpoint import load_config, save_config
+    from .inference.prepack import is_prepacked
     from .model import MedusaModel
     from .training.data import read_conversations
     from .training.features import load_segments
     from .training.trainer import is_eval
-    from .tuning import choose_tree, correct_ranks, draft_latency, verify_latency
+    from .tree.adaptive import kernels_key
+    from .tuning import PARTS, calibrate_acceptance, candidate_samples, choose_tree, correct_ranks, draft_latency
+    from .tuning import lookup_acceptance, measure_cost, merge_adaptive, tokenized_answers, verify_latency
     from .tree.calibrate import rank_paths
 
+    parts = [p for p in args.parts.split(",") if p]
+    if not parts or set(parts) - set(PARTS):
+        raise SystemExit(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {args.parts!r}")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, DTYPES[args.dtype])
     config = load_config(args.heads)
     prepack = args.prepack and args.device in (None, "cpu")
     model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=dtype, device_map=args.device, prepack=prepack)
     fraction = config.extra.get("recipe", {}).get("eval_fraction", 0.05)
-    ids = {c["id"] for c in read_conversations(args.data)}
-    held_out = [s for s in load_segments(args.features, keep_ids=ids) if is_eval(s.conv_id, fraction)]
-    if not held_out:
-        raise SystemExit(f"no held-out features found in {args.features} for {args.data}")
-    ranks = correct_ranks(model.heads, held_out, topk=args.topk)
-    paths = rank_paths(ranks)
-    latency = verify_latency(model.target, list(range(1, args.max_nodes + 2)), context=args.context, repeats=args.repeats)
-    t_heads = lambda spec: draft_latency(model.heads, spec)  # noqa: E731
-    t_overhead = args.overhead_ms / 1000
-    result = choose_tree(paths, latency, t_heads, t_overhead, args.max_nodes)
-    best = result["best"]
-    print(f"held-out positions: {len(ranks)}; drafting the chosen tree {1000 * best['draft_s']:.1f} ms; t(1) {1000 * latency[1]:.1f} ms")
-    print(f"{'nodes':>6}{'tau':>7}{'verify ms':>11}{'pred tok/s':>12}{'pred speed-up':>15}")
-    for row in result["table"]:
-        if row["nodes"] in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) or row is best:
-            print(f"{row['nodes']:>6}{row['tau']:>7.2f}{1000 * latency[row['nodes'] + 1]:>11.1f}{row['tokens_per_s']:>12.1f}{row['speedup']:>15.2f}")
-    print(f"chosen: {best['nodes']} nodes, predicted tau {best['tau']:.2f}, predicted speed-up {best['speedup']:.2f}")
-    config.tree = best["paths"]
-    config.extra["calibration"] = {
-        "nodes": best["nodes"], "predicted_tau": best["tau"], "predicted_speedup": best["speedup"],
-        "dtype": args.dtype, "device": str(model.base_model.device), "threads": args.threads, "prepack": prepack,
-        "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * best["draft_s"],
-        "overhead_ms": args.overhead_ms, "held_out_positions": len(ranks),
-    }
+    conversations = [c for c in read_conversations(args.data) if is_eval(c["id"], fraction)]
+    if not conversations:
+        raise SystemExit(f"no held-out conversations (eval fraction {fraction}) in {args.data}")
+    held_out = []
+    if {"tree", "acceptance"} & set(parts):
+        ids = {c["id"] for c in conversations}
+        held_out = load_segments(args.features, keep_ids=ids)
+        if not held_out:
+            raise SystemExit(f"no features for the {len(ids)} held-out conversations of {args.data} in {args.features} "
+                             f"(compute them with: medusa-heads features --data ... --features {args.features})")
+    details = {}
+    if "tree" in parts:
+        ranks = correct_ranks(model.heads, held_out, topk=args.topk)
+        paths = rank_paths(ranks)
+        latency = verify_latency(model.target, list(range(1, args.max_nodes + 2)), context=args.context, repeats=args.repeats)
+        t_heads = lambda spec: draft_latency(model.heads, spec)  # noqa: E731
+        t_overhead = args.overhead_ms / 1000
+        result = choose_tree(paths, latency, t_heads, t_overhead, args.max_nodes)
+        best = result["best"]
+        print(f"held-out positions: {len(ranks)}; drafting the chosen tree {1000 * best['draft_s']:.1f} ms; t(1) {1000 * latency[1]:.1f} ms")
+        print(f"{'nodes':>6}{'tau':>7}{'verify ms':>11}{'pred tok/s':>12}{'pred speed-up':>15}")
+        for row in result["table"]:
+            if row["nodes"] in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) or row is best:
+                print(f"{row['nodes']:>6}{row['tau']:>7.2f}{1000 * latency[row['nodes'] + 1]:>11.1f}{row['tokens_per_s']:>12.1f}{row['speedup']:>15.2f}")
+        print(f"chosen: {best['nodes']} nodes, predicted tau {best['tau']:.2f}, predicted speed-up {best['speedup']:.2f}")
+        config.tree = best["paths"]
+        config.extra["calibration"] = {
+            "nodes": best["nodes"], "predicted_tau": best["tau"], "predicted_speedup": best["speedup"],
+            "dtype": args.dtype, "device": str(model.base_model.device), "threads": args.threads, "prepack": prepack,
+            "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * best["draft_s"],
+            "overhead_ms": args.overhead_ms, "held_out_positions": len(ranks),
+        }
+    acceptance = lookup = cost = None
+    if "acceptance" in parts:
+        acceptance, details["acceptance"] = calibrate_acceptance(candidate_samples(model.heads, held_out, topk=args.accept_topk))
+        print(_acceptance_table(details["acceptance"]))
+    if "lookup" in parts:
+        from transformers import AutoTokenizer
+
+        from .models import resolve_model
+
+        tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
+        answers = tokenized_answers(tok, conversations)
+        lookup, details["lookup"] = lookup_acceptance(answers, max_tokens=args.lookup_tokens)
+        dense, details["lookup"]["every_position"] = lookup_acceptance(answers, args.lookup_tokens, every_position=True)
+        details["lookup"]["every_position"]["rates"] = [list(r) for r in dense.rates]
+        print(_lookup_table(details["lookup"], lookup))
+    if "cost" in parts:
+        key = kernels_key(model.base_model, is_prepacked(model.base_model))
+        contexts = tuple(int(c) for c in args.contexts.split(","))
+        cost = (key, measure_cost(model.target, model.heads, contexts=contexts, repeats=args.repeats,
+                                  topk=args.accept_topk, overhead_ms=args.overhead_ms))
+        details["cost"] = {key: {"threads": args.threads, "repeats": args.repeats, "parents": 4, "topk": args.accept_topk}}
+        print(_cost_table(*cost))
+    if acceptance or lookup or cost:
+        config.adaptive = merge_adaptive(config.adaptive, acceptance, lookup, cost)
+        old = config.extra.get("adaptive_calibration", {})
+        config.extra["adaptive_calibration"] = {
+            **old, **{k: _brief(k, v) for k, v in details.items() if k != "cost"},
+            "cost": {**old.get("cost", {}), **details.get("cost", {})},
+        }
     save_config(args.heads, config)
+    if args.report:
+        from .calibration_report import write_report
+
+        out = write_report(config, details, args.report)
+        print(f"report written to {out}", file=sys.stderr)
+
+
+def _brief(part: str, detail: dict) -> dict:
+    """What the heads' config keeps of a part's measurement (the report keeps all of it)."""
+    if part == "acceptance":
+        return {"method": detail["method"], "summary": detail["summary"], "held_out_positions": detail["held_out_positions"],
+                "temperatures": [r["T"] for r in detail["depths"]]}
+    return {k: detail[k] for k in ("roots", "matched", "max_tokens", "max_ngram", "min_ngram", "walk")}
+
+
+def _acceptance_table(detail: dict) -> str:
+    lines = [f"acceptance given the parent accepted, second half of the held-out conversations (fitted on the first); "
+             f"stored: {detail['method']}",
+             f"{'depth':>6}{'cands':>9}{'observed':>10}{'raw':>8}{'isotonic':>10}{'temp.':>8}{'T':>6}"
+             f"{'logloss raw':>13}{'iso':>8}{'temp.':>8}"]
+    for r in detail["depths"]:
+        lines.append(f"{r['depth']:>6}{r['test_positions'] * r['topk']:>9}{r['observed']:>10.3f}{r['raw']['mean']:>8.3f}"
+                     f"{r['isotonic']['mean']:>10.3f}{r['temperature']['mean']:>8.3f}{r['T']:>6.2f}"
+                     f"{r['raw']['log_loss']:>13.4f}{r['isotonic']['log_loss']:>8.4f}{r['temperature']['log_loss']:>8.4f}")
+    s = detail["summary"]
+    lines.append(f"{'all':>6}{'':>63}{s['raw']['log_loss']:>13.4f}{s['isotonic']['log_loss']:>8.4f}{s['temperature']['log_loss']:>8.4f}")
+    return "\n".join(lines)
+
+
+def _lookup_table(detail: dict, lookup) -> str:
+    lines = [f"prompt lookup: {detail['roots']} roots ({detail['walk']}); acceptance of token j given j - 1 accepted, "
+             "by matched n-gram",
+             f"{'n':>3}{'matched':>9}" + "".join(f"{'j=' + str(j + 1):>7}" for j in range(detail["max_tokens"]))]
+    for n, matched, row in zip(lookup.ngrams, detail["matched"], lookup.rates):
+        lines.append(f"{n:>3}{matched:>9}" + "".join(f"{x:>7.3f}" for x in row))
+    return "\n".join(lines)
+
+
+def _cost_table(key: str, cost) -> str:
+    lines = [f"verify ms ({key}); one drafting level {cost.draft_ms:.2f} ms, overhead {cost.overhead_ms:.1f} ms",
+             f"{'size':>5}" + "".join(f"{'ctx ' + str(c):>11}" for c in cost.contexts)]
+    for s, size in enumerate(cost.sizes):
+        lines.append(f"{size:>5}" + "".join(f"{row[s]:>11.1f}" for row in cost.ms))
+    return "\n".join(lines)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

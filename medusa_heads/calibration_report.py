@@ -1,0 +1,140 @@
+"""The report of `medusa-heads calibrate --report DIR`: what the per-step tree runs on, as measured (report.md,
+reliability.png, calibration.json). A later run that measures only some parts keeps the others' details."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import MedusaConfig
+from .tree.adaptive import CostModel, LookupAcceptance
+
+REPORT_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def write_report(config: MedusaConfig, details: dict, folder: str | Path) -> Path:
+    """details: this run's measurements ("acceptance", "lookup", "cost" settings per kernels key), merged into
+    DIR/calibration.json over an earlier run's; the cost tables themselves are read from config.adaptive."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "calibration.json"
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update({k: v for k, v in details.items() if k != "cost"})
+    merged["cost"] = {**merged.get("cost", {}), **details.get("cost", {})}
+    path.write_text(json.dumps(merged, indent=1) + "\n")
+    adaptive = config.adaptive or {}
+    lines = ["# Calibration of the per-step tree", ""]
+    if "acceptance" in merged:
+        lines += _acceptance_md(merged["acceptance"])
+        _plot_reliability(merged["acceptance"], folder / "reliability.png")
+    if "lookup" in merged and "lookup" in adaptive:
+        lines += _lookup_md(merged["lookup"], LookupAcceptance.from_dict(adaptive["lookup"]))
+    for key, cost in sorted(adaptive.get("cost", {}).items()):
+        lines += _cost_md(key, CostModel.from_dict(cost), merged["cost"].get(key, {}))
+    out = folder / "report.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _acceptance_md(a: dict) -> list[str]:
+    s = a["summary"]
+    lines = [
+        "## Acceptance of a drafted token given its parent was accepted",
+        "",
+        f"Each head's top-{a['depths'][0]['topk']} candidates (softmax over the draft vocabulary; path-conditioned heads "
+        "given the true path above) at every held-out answer position where the true tokens above are each in their "
+        "head's top-k (so the parent is in the tree and accepted), labelled by the true token. Fitted on one half of "
+        "the held-out conversations (split by prompt), scored on the other; the stored bins are refitted on both.",
+        "",
+        f"Stored: **{a['method']}**. Log-loss on the test half: raw {s['raw']['log_loss']:.4f}, isotonic "
+        f"{s['isotonic']['log_loss']:.4f}, temperature {s['temperature']['log_loss']:.4f}; Brier: raw "
+        f"{s['raw']['brier']:.4f}, isotonic {s['isotonic']['brier']:.4f}, temperature {s['temperature']['brier']:.4f}.",
+        "",
+        "| depth | test positions | candidates | observed | raw mean | isotonic mean | temperature mean (T) | observed top-1 | "
+        "isotonic top-1 | log-loss raw / iso / temp | Brier raw / iso / temp |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in a["depths"]:
+        lines.append(
+            f"| {r['depth']} | {r['test_positions']:,} | {r['test_positions'] * r['topk']:,} | {r['observed']:.4f} | "
+            f"{r['raw']['mean']:.4f} | {r['isotonic']['mean']:.4f} | {r['temperature']['mean']:.4f} ({r['T']:.2f}) | "
+            f"{r['observed_top1']:.3f} | {r['isotonic']['mean_top1']:.3f} | "
+            f"{r['raw']['log_loss']:.4f} / {r['isotonic']['log_loss']:.4f} / {r['temperature']['log_loss']:.4f} | "
+            f"{r['raw']['brier']:.4f} / {r['isotonic']['brier']:.4f} / {r['temperature']['brier']:.4f} |")
+    edges = a["edges"]
+    lines += ["", "Isotonic bins fitted on the first half (acceptance by head probability):", "",
+              "| depth | " + " | ".join(f"[{lo:g}, {hi:g})" for lo, hi in zip(edges, edges[1:])) + " |",
+              "|---" * len(edges) + "|"]
+    lines += [f"| {r['depth']} | " + " | ".join(f"{x:.3f}" for x in r["isotonic_fit"]) + " |" for r in a["depths"]]
+    lines += ["", "![reliability](reliability.png)", ""]
+    return lines
+
+
+def _lookup_md(d: dict, lookup: LookupAcceptance) -> list[str]:
+    n_max = d["max_tokens"]
+    lines = [
+        "## Prompt lookup",
+        "",
+        f"Held-out answers walked as decoding with prompt lookup alone would ({d['roots']:,} roots, each after the "
+        f"tokens the step before accepted): prompt lookup (n-grams {d['min_ngram']}..{d['max_ngram']}, longest "
+        f"first, up to {n_max} tokens) over the conversation so far; acceptance of continuation token j given token "
+        f"j - 1 was accepted, by the length of the n-gram that matched ({d['max_ngram']}: at least {d['max_ngram']}). "
+        "Stored. Counts in parentheses.",
+        "",
+    ]
+    lines += _lookup_rows(d, lookup.ngrams, lookup.rates)
+    dense = d.get("every_position")
+    if dense:
+        lines += ["", f"The same at every answer token ({dense['roots']:,} roots; not stored: positions deep inside a "
+                  "copied run, which decoding crosses in a few steps, weigh in as often as the step after a miss):", ""]
+        lines += _lookup_rows(dense, lookup.ngrams, dense["rates"])
+    return lines + [""]
+
+
+def _lookup_rows(d: dict, ngrams, rates) -> list[str]:
+    n_max = d["max_tokens"]
+    lines = ["| n-gram | matched | " + " | ".join(f"j={j + 1}" for j in range(n_max)) + " |", "|---|---|" + "---|" * n_max]
+    for i, (n, row) in enumerate(zip(ngrams, rates)):
+        cells = [f"{x:.3f} ({t:,})" for x, t in zip(row, d["tried"][i])]
+        lines.append(f"| {n} | {d['matched'][i]:,} ({d['matched'][i] / d['roots']:.1%}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _cost_md(key: str, cost: CostModel, settings: dict) -> list[str]:
+    how = ", ".join(f"{k} {v}" for k, v in settings.items())
+    lines = [
+        f"## Cost: {key}",
+        "",
+        f"Verify milliseconds (median; size 1 = a plain decoding step) by tree tokens and cached context ({how}). "
+        f"One drafting level (a head's top-k for 4 parents, mean over the heads): {cost.draft_ms:.2f} ms; "
+        f"per-step overhead {cost.overhead_ms:.1f} ms.",
+        "",
+        "| tree tokens | " + " | ".join(f"ctx {c}" for c in cost.contexts) + " |",
+        "|---|" + "---|" * len(cost.contexts),
+    ]
+    for s, size in enumerate(cost.sizes):
+        lines.append(f"| {size} | " + " | ".join(f"{row[s]:.1f}" for row in cost.ms) + " |")
+    return lines + [""]
+
+
+def _plot_reliability(a: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = a["depths"]
+    fig, axes = plt.subplots(1, len(depths), figsize=(4 * len(depths), 4), squeeze=False)
+    for ax, r in zip(axes[0], depths):
+        ax.plot([0, 1], [0, 1], color="0.7", lw=1)
+        for name, style in (("raw", "o:"), ("isotonic", "s-"), ("temperature", "^--")):
+            pts = r[name]["reliability"]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, ms=4, label=name)
+        ax.set_title(f"depth {r['depth']} (test half)")
+        ax.set_xlabel("predicted acceptance")
+        ax.set_ylabel("observed acceptance")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+    axes[0][0].legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
