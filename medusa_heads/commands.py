@@ -267,19 +267,22 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         details["lookup"]["every_position"]["rates"] = [list(r) for r in dense.rates]
         print(_lookup_table(details["lookup"], lookup))
     if "cost" in parts:
+        import os
+
         key = kernels_key(model.base_model, is_prepacked(model.base_model))
         contexts = tuple(int(c) for c in args.contexts.split(","))
+        load = os.getloadavg()[0]  # other work on the machine slows every timing: kept beside them
         cost = (key, measure_cost(model.target, model.heads, contexts=contexts, repeats=args.repeats,
                                   topk=args.accept_topk, overhead_ms=args.overhead_ms))
-        details["cost"] = {key: {"threads": args.threads, "repeats": args.repeats, "parents": 4, "topk": args.accept_topk}}
+        details["cost"] = {key: {"threads": args.threads, "repeats": args.repeats, "parents": 4, "topk": args.accept_topk,
+                                 "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}}
         print(_cost_table(*cost))
     if acceptance or lookup or cost:
         config.adaptive = merge_adaptive(config.adaptive, acceptance, lookup, cost)
         old = config.extra.get("adaptive_calibration", {})
-        config.extra["adaptive_calibration"] = {
-            **old, **{k: _brief(k, v) for k, v in details.items() if k != "cost"},
-            "cost": {**old.get("cost", {}), **details.get("cost", {})},
-        }
+        config.extra["adaptive_calibration"] = {**old, **{k: _brief(k, v) for k, v in details.items() if k != "cost"}}
+        if "cost" in details:
+            config.extra["adaptive_calibration"]["cost"] = {**old.get("cost", {}), **details["cost"]}
     save_config(args.heads, config)
     if args.report:
         from .calibration_report import write_report

@@ -202,7 +202,7 @@ def fit_isotonic(probs: torch.Tensor, hits: torch.Tensor, edges: tuple[float, ..
     out, last = [], fit[full[0]]
     for i in range(len(counts)):
         last = fit.get(i, last)
-        out.append(min(max(last, 0.0), 1.0))
+        out.append(round(min(max(last, 0.0), 1.0), 4))
     return out
 
 
@@ -259,7 +259,7 @@ def calibrate_acceptance(samples: list[CandidateSamples], edges: tuple[float, ..
             b = torch.bucketize(s.probs.flatten().double(), torch.tensor(edges[1:-1], dtype=torch.float64), right=True)
             mean = torch.bincount(b, weights=pred.flatten().double(), minlength=len(edges) - 1)
             count = torch.bincount(b, minlength=len(edges) - 1).clamp_min(1)
-            final.append(tuple(torch.cummax(mean / count, 0).values.clamp(0, 1).tolist()))
+            final.append(tuple(round(x, 4) for x in torch.cummax(mean / count, 0).values.clamp(0, 1).tolist()))
     report = {"method": method, "edges": list(edges), "depths": rows, "summary": summary,
               "held_out_positions": [len(s.hits) for s in samples]}
     return Acceptance(tuple(edges), tuple(final)), report
@@ -339,7 +339,7 @@ def lookup_acceptance(conversations: list[tuple[torch.Tensor, list[tuple[int, in
     for i in range(len(ngrams)):
         row, last = [], 0.0
         for j in range(max_tokens):
-            last = float(hit[i, j] / tried[i, j]) if tried[i, j] else last  # unseen depth: the one above's rate
+            last = round(int(hit[i, j]) / int(tried[i, j]), 4) if tried[i, j] else last  # unseen: the rate above
             row.append(last)
         rates.append(tuple(row))
     report = {"roots": roots, "matched": tried[:, 0].tolist(), "tried": tried.tolist(), "accepted": hit.tolist(),
@@ -376,8 +376,8 @@ def measure_cost(target, heads, sizes: tuple[int, ...] = COST_SIZES, contexts: t
     ms = []
     for c in tqdm(contexts, desc="contexts", leave=False):
         latency = verify_latency(target, list(sizes), context=c, repeats=repeats)
-        ms.append(tuple(1000 * latency[n] for n in sizes))
-    draft = level_draft_ms(heads, topk=topk)
+        ms.append(tuple(round(1000 * latency[n], 2) for n in sizes))
+    draft = round(level_draft_ms(heads, topk=topk), 3)
     return CostModel(tuple(contexts), tuple(sizes), tuple(ms), draft_ms=draft, overhead_ms=overhead_ms)
 
 
