@@ -12,8 +12,8 @@ from transformers.cache_utils import DynamicLayer
 
 from ..tree.buffers import TreeBuffers
 from .cache import keep_accepted, new_cache
-from .decode import AcceptRule, DecodeState, DecodeStats, _emit
-from .propose import Drafter
+from .decode import AcceptRule, DecodeState, DecodeStats, emit
+from .propose import Draft, Drafter
 from .sampling import process_tree
 from .verify import Target
 
@@ -56,38 +56,40 @@ def decode_batch(
         if processors:
             logits = processors(input_ids[b : b + 1], logits.float())
         state = DecodeState(sequences[b], prompt_len, prompt_len, out.hidden[b, -1])
-        emitted += len(_emit(state, [rule.first(logits)], max_new_tokens, eos, stopping))
+        emitted += len(emit(state, [rule.first(logits)], max_new_tokens, eos, stopping))
         states.append(state)
     stats.tokens_per_step.append(emitted)
     stats.rows_per_step.append(b_size)
     stats.seconds["prefill"] += clock() - t0
 
     while not all(s.done for s in states):
+        # 1. propose: every row's tree (finished rows ride along and are dropped below)
         t0 = clock()
-        roots = torch.stack([s.sequence[s.length - 1] for s in states])
-        if hasattr(drafter, "draft_batch"):  # every row in one pass
-            drafts = drafter.draft_batch(torch.stack([s.hidden for s in states]), roots, buffers)
-        else:
-            drafts = torch.stack([drafter.draft(s.hidden, s.sequence[: s.length], buffers) for s in states])
-        trees = torch.cat([roots[:, None], drafts], dim=1)  # (B, T); finished rows ride along and are dropped below
+        drafts = drafter.draft(torch.stack([s.hidden for s in states]), [s.sequence[: s.length] for s in states], buffers)
+        trees, masks, depths = pad_trees(drafts, [s.sequence[s.length - 1] for s in states])  # (B, T), (B, T, T), (B, T)
+        # 2. verify: one forward over every row's tree, each at its own position
         t1 = clock()
         positions = valid.long().sum(1)  # (B,): each row's root position = its real tokens so far
-        out = target.verify_batch(trees, positions, valid, cache, buffers)
+        out = target.verify_batch(trees, positions, valid, cache, masks, depths)
+        # 3. accept, row by row
         t2 = clock()
         past, keeps, emitted, active = valid.shape[1], [], 0, 0
-        for b, s in enumerate(states):
+        for b, (s, (_, step)) in enumerate(zip(states, drafts)):
             if s.done:
                 keeps.append(trees.new_zeros(0))
                 continue
-            logits = out.logits[b]
+            tree, logits = trees[b, : step.size], out.logits[b, : step.size]
             if processors:
-                logits = process_tree(processors, s.sequence[: s.length - 1], trees[b], logits, buffers.mask)
-            nodes, bonus = rule.accept(trees[b], logits, buffers)
-            chunk = _emit(s, trees[b, nodes[1:]].tolist() + [bonus], max_new_tokens, eos, stopping)
+                logits = process_tree(processors, s.sequence[: s.length - 1], tree, logits, step.mask)
+            nodes, bonus = rule.accept(tree, logits, step)
+            chunk = emit(s, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos, stopping)
             nodes = nodes[: len(chunk) + 1]
             keeps.append(nodes)
             s.hidden = out.hidden[b, nodes[-1]]
             emitted, active = emitted + len(chunk), active + 1
+            stats.tree_sizes.append(step.size - 1)
+        drafter.update(keeps)
+        # 4. commit: each row keeps its accepted entries; shorter paths leave holes that `valid` hides
         t3 = clock()
         m = max(k.shape[0] for k in keeps)
         keep = torch.zeros(b_size, m, dtype=torch.long, device=device)
@@ -105,3 +107,23 @@ def decode_batch(
 
     longest = max(s.new_tokens for s in states)
     return sequences[:, : prompt_len + longest].clone(), stats
+
+
+def pad_trees(drafts: list[Draft], roots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's tree (root + drafted nodes), padded to the largest: (B, T) tokens, (B, T, T) ancestor masks and
+    (B, T) depths. A padding node repeats the root one level below it and sees only the root and itself: its
+    entries are never accepted, so they are dropped with the rest of the tree."""
+    size = max(d.buffers.size for d in drafts)
+    b = len(drafts)
+    device = drafts[0].buffers.mask.device
+    tokens = torch.stack(roots)[:, None].repeat(1, size)
+    masks = torch.eye(size, dtype=torch.bool, device=device).repeat(b, 1, 1)
+    masks[:, :, 0] = True
+    depths = torch.ones(b, size, dtype=torch.long, device=device)
+    depths[:, 0] = 0
+    for row, (drafted, buffers) in enumerate(drafts):
+        n = buffers.size
+        tokens[row, 1:n] = drafted
+        masks[row, :n, :n] = buffers.mask
+        depths[row, :n] = buffers.depth
+    return tokens, masks, depths

@@ -8,7 +8,8 @@ from transformers.cache_utils import DynamicLayer
 
 class PreallocatedLayer(DynamicLayer):
     """A DynamicLayer that writes into buffers allocated once, as gpt-fast's KVCache does, instead of growing
-    by torch.cat at every forward (about a tenth of a CPU decoding step for SmolLM2). `keys`/`values` are views."""
+    by torch.cat at every forward (about a tenth of a CPU decoding step for SmolLM2); past its capacity it doubles.
+    `keys`/`values` are views."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
@@ -26,12 +27,20 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({end} entries)")
+        if end > self.capacity:  # a step's tree ran past the guess: grow, as a list does
+            self.capacity = max(end, 2 * self.capacity)
+            self._k, self._v = (_grown(buf, start, self.capacity) for buf in (self._k, self._v))
         self._k[:, :, start:end] = key_states
         self._v[:, :, start:end] = value_states
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         return self.keys, self.values
+
+
+def _grown(buf: torch.Tensor, keep: int, capacity: int) -> torch.Tensor:
+    """(B, heads, old capacity, D) -> (B, heads, capacity, D) with the first `keep` entries copied."""
+    new = buf.new_empty(*buf.shape[:2], capacity, buf.shape[3])
+    new[:, :, :keep] = buf[:, :, :keep]
+    return new
 
 
 def new_cache(model: PreTrainedModel, capacity: int | None = None) -> DynamicCache:

@@ -28,6 +28,7 @@ class AcceptRule(Protocol):
 class DecodeStats:
     tokens_per_step: list[int] = field(default_factory=list)  # new tokens per target forward; [0] is the prefill
     rows_per_step: list[int] = field(default_factory=list)  # batched decoding: rows still running at each forward
+    tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified at each step (each row's, batched)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", "propose", "verify", "accept", "commit"), 0.0))
 
     @property
@@ -61,7 +62,7 @@ class DecodeState:
     done: bool = False
 
 
-def _emit(state: DecodeState, tokens: list[int], budget: int, eos: set[int], stopping=None) -> list[int]:
+def emit(state: DecodeState, tokens: list[int], budget: int, eos: set[int], stopping=None) -> list[int]:
     """Append tokens, stopping at the budget, just after an EOS, or where a stopping criterion fires (checked
     after every token, as transformers does); returns what was appended."""
     out = []
@@ -97,10 +98,9 @@ def decode(
     `stopping`: a transformers StoppingCriteriaList."""
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
-    growing = hasattr(drafter, "draft_tree")  # a GrowingDrafter (prompt lookup) may add nodes at a step
-    capacity = prompt_len + max_new_tokens + buffers.size + (drafter.extra_nodes if growing else 0)
+    capacity = prompt_len + max_new_tokens + buffers.size  # a larger tree at some step grows the cache
     cache = new_cache(target.model, capacity) if cache is None else cache
-    sequence = torch.empty(capacity, dtype=torch.long, device=input_ids.device)
+    sequence = torch.empty(prompt_len + max_new_tokens, dtype=torch.long, device=input_ids.device)
     sequence[:prompt_len] = input_ids[0]
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -110,19 +110,17 @@ def decode(
     logits = processors(input_ids, out.logits[-1:].float()) if processors else out.logits[-1:]
     root = rule.first(logits)
     state = DecodeState(sequence, prompt_len, prompt_len, out.hidden[-1])
-    chunk = _emit(state, [root], max_new_tokens, eos, stopping)
+    chunk = emit(state, [root], max_new_tokens, eos, stopping)
     stats.tokens_per_step.append(len(chunk))
     stats.seconds["prefill"] += clock() - t0
     if streamer is not None:
         streamer.put(torch.tensor(chunk))
 
     while not state.done:
-        # 1. propose: the heads draft the tree below the root (a drafter may grow it for this step)
+        # 1. propose: the drafter chooses this step's tree below the root and drafts it
         t0 = clock()
-        root_t = state.sequence[state.length - 1 : state.length]
-        sequence = state.sequence[: state.length]
-        drafted, step = drafter.draft_tree(state.hidden, sequence, buffers) if growing else (drafter.draft(state.hidden, sequence, buffers), buffers)
-        tree = torch.cat([root_t, drafted])
+        drafted, step = drafter.draft(state.hidden[None], [state.sequence[: state.length]], buffers)[0]
+        tree = torch.cat([state.sequence[state.length - 1 : state.length], drafted])
         # 2. verify: one target forward over root + nodes
         t1 = clock()
         out = target.verify(tree, state.past, cache, step)
@@ -132,14 +130,16 @@ def decode(
         if processors:
             logits = process_tree(processors, state.sequence[: state.length - 1], tree, logits, step.mask)
         nodes, bonus = rule.accept(tree, logits, step)
+        drafter.update([nodes])
         # 4. commit: emit up to EOS or the budget; the cache keeps root + emitted nodes; the bonus is the next root
         t3 = clock()
-        chunk = _emit(state, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos, stopping)
+        chunk = emit(state, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos, stopping)
         nodes = nodes[: len(chunk) + 1]
         keep_accepted(cache, state.past, nodes)
         state.past += nodes.shape[0]
         state.hidden = out.hidden[nodes[-1]]
         stats.tokens_per_step.append(len(chunk))
+        stats.tree_sizes.append(step.size - 1)
         t4 = clock()
         for key, dt in zip(("propose", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             stats.seconds[key] += dt

@@ -104,4 +104,5 @@ class stock_kernels:
 
 
 def is_prepacked(model: nn.Module) -> bool:
-    return any(isinstance(m, PackedLinear) for m in model.modules())
+    """Whether the model's linears run on packed kernels now (not inside `stock_kernels`)."""
+    return any(isinstance(m, PackedLinear) and m.enabled for m in model.modules())

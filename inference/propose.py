@@ -1,49 +1,71 @@
 """Drafters: one fixed interface that turns the last accepted hidden state into tree tokens."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
+
+from einops import rearrange
 
 from ..heads import MedusaHeads
 from ..tree.buffers import TreeBuffers, with_chain
 
 
+class Draft(NamedTuple):
+    tokens: torch.Tensor  # (N,) tokens for nodes 1..N of `buffers` (node 0, the root, is the target's own token)
+    buffers: TreeBuffers  # this step's tree
+
+
 class Drafter(Protocol):
-    def draft(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
-        """hidden: (H,) the LM head's input at the last accepted token; sequence: (L,) every token so far,
-        the root (the target's next token, not yet verified) last. Returns (N,) tokens for nodes 1..N."""
+    """What the decode loop asks at every step, for one sequence or a batch alike (transformers' CandidateGenerator
+    has the same two calls: get_candidates, update_candidate_strategy)."""
+
+    def draft(self, hidden: torch.Tensor, sequences: list[torch.Tensor], buffers: TreeBuffers) -> list[Draft]:
+        """hidden: (B, H) the LM head's input at each row's last accepted token; sequences: each row's tokens so far,
+        its root (the target's next token, not yet verified) last; buffers: the model's configured tree, which a
+        drafter may keep, grow or replace. Returns each row's tree for this step."""
+        ...
+
+    def update(self, accepted: list[torch.Tensor]) -> None:
+        """After the verify: each row's accepted node indices of the tree it drafted, root first."""
         ...
 
 
-class GrowingDrafter(Drafter, Protocol):
-    """A drafter that may add nodes to the tree for one step (the decode loop asks it with draft_tree)."""
+class RowDrafter:
+    """A base for a drafter of the configured tree, one row at a time: implement draft_row."""
 
-    extra_nodes: int  # most nodes draft_tree adds to the tree it is given
+    def draft_row(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
+        """hidden: (H,); sequence: (L,) the root last. Returns (N,) tokens for nodes 1..N of `buffers`."""
+        raise NotImplementedError
 
-    def draft_tree(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, TreeBuffers]:
-        """As draft, for the tree of this step: (tokens for nodes 1..N', the buffers of that tree)."""
-        ...
+    def draft(self, hidden: torch.Tensor, sequences: list[torch.Tensor], buffers: TreeBuffers) -> list[Draft]:
+        return [Draft(self.draft_row(h, seq, buffers), buffers) for h, seq in zip(hidden, sequences)]
+
+    def update(self, accepted: list[torch.Tensor]) -> None:
+        pass
 
 
 class HeadsDrafter:
-    """Each node takes rank `rank` of head `depth` from the heads' top-k. Unconditioned and root-conditioned heads
-    draft the whole tree in one product; path-conditioned heads draft level by level, each parent's children
-    from head `depth` given the tokens on the parent's path."""
+    """The configured tree: each node takes rank `rank` of head `depth` from the heads' top-k. Unconditioned and
+    root-conditioned heads draft the whole tree in one product; path-conditioned heads draft level by level, each
+    parent's children from head `depth` given the tokens on the parent's path. Every row of a batch in one pass."""
 
     def __init__(self, heads: MedusaHeads) -> None:
         self.heads = heads
 
-    @torch.no_grad()
-    def draft(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
-        return self.draft_batch(hidden[None], sequence[-1:], buffers)[0]
+    def draft(self, hidden: torch.Tensor, sequences: list[torch.Tensor], buffers: TreeBuffers) -> list[Draft]:
+        tokens = self.draft_tokens(hidden, torch.stack([s[-1] for s in sequences]), buffers)
+        return [Draft(row, buffers) for row in tokens]
+
+    def update(self, accepted: list[torch.Tensor]) -> None:
+        pass
 
     @torch.no_grad()
-    def draft_batch(self, hidden: torch.Tensor, roots: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
+    def draft_tokens(self, hidden: torch.Tensor, roots: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
         """hidden: (B, H); roots: (B,) each row's root token. Returns (B, N): every row's tree in one pass."""
         if self.heads.config.condition != "path":
             top = self.heads.topk(hidden, buffers.topk, context=roots[:, None])  # (K, B, topk)
-            return top.transpose(0, 1).reshape(hidden.shape[0], -1)[:, buffers.draft_index]
+            return rearrange(top, "k b r -> b (k r)")[:, buffers.draft_index]
         tokens = torch.empty(hidden.shape[0], buffers.size, dtype=torch.long, device=hidden.device)
         tokens[:, 0] = roots
         for d, (chains, nodes, row, rank) in enumerate(buffers.levels):
@@ -53,22 +75,27 @@ class HeadsDrafter:
         return tokens[:, 1:]
 
 
-def lookup(sequence: torch.Tensor, max_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> torch.Tensor:
+def lookup_match(sequence: torch.Tensor, max_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> tuple[torch.Tensor, int]:
     """Prompt lookup: up to max_tokens tokens that followed the latest earlier occurrence of the sequence's last n
-    tokens, trying n from max_ngram down to min_ngram; empty when nothing matches."""
+    tokens, trying n from max_ngram down to min_ngram; returns (those tokens, n), or (empty, 0) when nothing matches."""
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = sequence[:-1].unfold(0, n, 1)  # every n-gram that has a token after it
         hits = (windows == sequence[-n:]).all(dim=1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + n
-            return sequence[start : start + max_tokens]
-    return sequence[:0]
+            return sequence[start : start + max_tokens], n
+    return sequence[:0], 0
+
+
+def lookup(sequence: torch.Tensor, max_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> torch.Tensor:
+    """lookup_match's tokens alone."""
+    return lookup_match(sequence, max_tokens, max_ngram, min_ngram)[0]
 
 
 class LookupDrafter:
-    """The heads draft their tree; prompt lookup (`lookup`) proposes a continuation copied from the text so far,
-    which is merged in: it follows the drafted nodes for as long as it repeats them, and only the rest is hung
+    """The inner drafter drafts its tree; prompt lookup (`lookup`) proposes a continuation copied from the text so
+    far, which is merged in: it follows the drafted nodes for as long as it repeats them, and only the rest is hung
     below as a chain, so a step costs extra verify positions only for tokens the heads did not draft. Acceptance
     is unchanged (longest path the target agrees with), so output stays exactly the target's."""
 
@@ -76,19 +103,22 @@ class LookupDrafter:
         if max_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs max_tokens >= 1 and 1 <= min_ngram <= max_ngram, got "
                              f"{max_tokens}, {min_ngram}, {max_ngram}")
-        self.inner, self.extra_nodes = inner, max_tokens
+        self.inner, self.max_tokens = inner, max_tokens
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self._base: TreeBuffers | None = None
-        self._grown: dict[tuple[int, int], TreeBuffers] = {}  # (node, chain length) -> buffers, for self._base
+        self._base: TreeBuffers | None = None  # this call's configured tree, and its grown copies:
+        self._grown: dict[tuple[int, int], TreeBuffers] = {}  # (node, chain length) -> buffers
 
-    def draft(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
-        return self.inner.draft(hidden, sequence, buffers)
+    def draft(self, hidden: torch.Tensor, sequences: list[torch.Tensor], buffers: TreeBuffers) -> list[Draft]:
+        return [self._merge(d, seq) for d, seq in zip(self.inner.draft(hidden, sequences, buffers), sequences)]
 
-    def draft_tree(self, hidden: torch.Tensor, sequence: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, TreeBuffers]:
-        tokens = self.inner.draft(hidden, sequence, buffers)
-        found = lookup(sequence, self.extra_nodes, self.max_ngram, self.min_ngram)
+    def update(self, accepted: list[torch.Tensor]) -> None:
+        self.inner.update(accepted)
+
+    def _merge(self, draft: Draft, sequence: torch.Tensor) -> Draft:
+        tokens, buffers = draft
+        found = lookup(sequence, self.max_tokens, self.max_ngram, self.min_ngram)
         if found.numel() == 0:
-            return tokens, buffers
+            return draft
         drafted, cont = [int(sequence[-1])] + tokens.tolist(), found.tolist()
         node, i = 0, 0
         while i < len(cont):  # follow the drafted tree while the continuation repeats it
@@ -97,10 +127,10 @@ class LookupDrafter:
                 break
             node, i = child, i + 1
         if i == len(cont):
-            return tokens, buffers
+            return draft
         if buffers is not self._base:
             self._base, self._grown = buffers, {}
         key = (node, len(cont) - i)
         if key not in self._grown:
             self._grown[key] = with_chain(buffers, node, len(cont) - i).to(buffers.mask.device)
-        return torch.cat([tokens, found[i:]]), self._grown[key]
+        return Draft(torch.cat([tokens, found[i:]]), self._grown[key])

@@ -70,14 +70,14 @@ class Target:
 
     @torch.no_grad()
     def verify_batch(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: DynamicCache,
-                     buffers: TreeBuffers) -> TargetOutput:
+                     tree_mask: torch.Tensor, depth: torch.Tensor) -> TargetOutput:
         """tokens: (B, T) one tree per row, appended at cache slot P = valid.shape[1] for every row; positions: (B,)
         each row's root position; valid: (B, P) which cached slots hold that row's tokens (padding and the holes
-        left by shorter accepted paths do not)."""
+        left by shorter accepted paths do not); tree_mask: (B, T, T) each row's ancestor mask; depth: (B, T)."""
         b, t = tokens.shape
         past = valid.shape[1]
         dtype, low = self.model.dtype, torch.finfo(self.model.dtype).min
         mask = torch.zeros(b, 1, t, past + t, dtype=dtype, device=tokens.device)
         mask[..., :past].masked_fill_(~valid[:, None, None, :], low)
-        mask[..., past:].masked_fill_(~buffers.mask, low)
-        return self._run(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None] + buffers.depth[None], cache=cache)
+        mask[..., past:].masked_fill_(~tree_mask[:, None], low)
+        return self._run(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None] + depth, cache=cache)

@@ -40,18 +40,25 @@ def _peak_mb(device: torch.device) -> float:
     return float("nan")
 
 
+LONG_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. Take your time."
+
+
 def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_new_tokens: int = 128,
-              sampling: dict | None = None, preset: str = "cpu-16") -> dict:
-    """methods: hf, hf-stock, pld, medusa (the calibrated tree), medusa-preset (`preset`), medusa:NAME (preset NAME),
-    each medusa method optionally with "+pld" / "+pldN" (prompt lookup of N tokens merged into the tree).
-    Returns {"overall": {method: stats}, "by_category": {cat: {method: stats}}, "profile": {...}}."""
+              sampling: dict | None = None, preset: str = "cpu-16", long_tokens: int = 0) -> dict:
+    """methods: hf, hf-stock, pld, medusa (as configured: the per-step tree for calibrated heads), medusa-static
+    (the heads' fixed tree), medusa-preset (`preset`), medusa:NAME (preset NAME), each medusa method optionally
+    with "+pld" / "+pldN" (prompt lookup of N tokens; "+pld0": heads only; default: the heads' lookup_tokens).
+    long_tokens > 0 adds one open-writing prompt of that many new tokens, EOS ignored, timed apart.
+    Returns {"overall": {method: stats}, "by_category": {cat: {method: stats}}, "by_prompt", "long", "profile"}."""
+    from .model import ADAPTIVE
+
     base = model.base_model
     device = base.device
     counter = ForwardCounter(base)
-    calibrated = model.tree
+    configured, fixed = (ADAPTIVE if model.adaptive else model.tree), model.tree
     gen = dict(do_sample=False) if sampling is None else dict(do_sample=True, **sampling)
 
-    def call(method: str, ids: torch.Tensor):
+    def call(method: str, ids: torch.Tensor, max_new_tokens: int = max_new_tokens, **gen):
         if method == "hf":
             return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **gen), None
         if method == "hf-stock":  # transformers' generate on PyTorch's stock kernels (differs from hf if prepacked)
@@ -60,17 +67,17 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         if method == "pld":
             return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  prompt_lookup_num_tokens=10, **gen), None
-        # "medusa": the calibrated tree; "medusa-preset": `preset`; "medusa:NAME": the preset NAME;
-        # a "+pld" or "+pldN" suffix adds prompt lookup (N tokens, default 10) to the heads' tree
         name, with_lookup, lookup = method.partition("+pld")
-        model.set_tree(calibrated if name == "medusa" else preset if name == "medusa-preset" else name.split(":", 1)[1])
+        trees = {"medusa": configured, "medusa-static": fixed, "medusa-preset": preset}
+        model.set_tree(trees[name] if name in trees else name.split(":", 1)[1])
         extra = dict(prompt_lookup_num_tokens=int(lookup or 10)) if with_lookup else {}
         res = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **gen, **extra)
         return res.sequences, res.stats
 
     warm = chat_input_ids(tokenizer, [{"role": "user", "content": "Hello"}]).to(device)
     for m in methods:
-        call(m, warm)
+        call(m, warm, **gen)
+    by_prompt: dict[str, dict[str, float]] = {}
 
     acc = defaultdict(lambda: defaultdict(lambda: {"seconds": 0.0, "tokens": 0, "forwards": 0, "mismatches": 0, "peak_mb": 0.0}))
     profile = defaultdict(float)
@@ -87,12 +94,13 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats(device)
                 calls0, t0 = counter.calls, time.perf_counter()
-                seq, stats = call(m, ids)
+                seq, stats = call(m, ids, **gen)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 outs[m] = seq
                 new = seq.shape[1] - ids.shape[1]
+                by_prompt.setdefault(f"{row.id}#{len(messages)}", {})[m] = new / dt
                 for cat in ("overall", row.category or "uncategorised"):
                     a = acc[cat][m]
                     a["seconds"] += dt
@@ -110,7 +118,20 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                         acc[cat][m]["mismatches"] += 1
             reply = tokenizer.decode(outs["hf"][0, ids.shape[1]:], skip_special_tokens=True)
             messages.append({"role": "assistant", "content": reply})
-    model.set_tree(calibrated)
+    long = {}
+    if long_tokens:  # one long open-writing answer (EOS ignored): hf, then each method, in one go
+        ids = chat_input_ids(tokenizer, [{"role": "user", "content": LONG_PROMPT}]).to(device)
+        for m in methods:
+            calls0, t0 = counter.calls, time.perf_counter()
+            seq, _ = call(m, ids, max_new_tokens=long_tokens, eos_token_id=None, **gen)
+            dt = time.perf_counter() - t0
+            long[m] = {"tokens_per_s": (seq.shape[1] - ids.shape[1]) / dt, "tokens": seq.shape[1] - ids.shape[1],
+                       "mean_accepted": (seq.shape[1] - ids.shape[1]) / max(counter.calls - calls0, 1), "seq": seq}
+        for m in methods:
+            long[m]["speedup_vs_hf"] = long[m]["tokens_per_s"] / long["hf"]["tokens_per_s"]
+            long[m]["same_as_hf"] = bool(torch.equal(long[m].pop("seq"), long["hf"]["seq"])) if m != "hf" else True
+        long["hf"].pop("seq")
+    model.set_tree(configured)
     counter.handle.remove()
 
     def summarise(per_method: dict) -> dict:
@@ -127,11 +148,15 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
             }
         return out
 
+    speedups = {p: {m: v[m] / v["hf"] for m in v} for p, v in by_prompt.items()}
     result = {
         "overall": summarise(acc.pop("overall")),
         "by_category": {cat: summarise(v) for cat, v in sorted(acc.items())},
+        "by_prompt": speedups,
+        "long": {"max_new_tokens": long_tokens, "prompt": LONG_PROMPT, **long} if long else None,
         "settings": {"max_new_tokens": max_new_tokens, "sampling": sampling, "prompts": len(rows),
-                     "calibrated_tree_nodes": calibrated.num_nodes, "preset": preset,
+                     "tree": "adaptive" if configured == ADAPTIVE else f"fixed, {fixed.num_nodes} nodes",
+                     "fixed_tree_nodes": fixed.num_nodes, "preset": preset,
                      "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype),
                      "prepacked_linears": is_prepacked(base)},
     }
@@ -148,7 +173,11 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Benchmark ({result['settings']})", ""]
+    st = result["settings"]
+    title = (f"{'sampling ' + str(st['sampling']) if st['sampling'] else 'greedy'}, {st['prompts']} prompts, "
+             f"{st['max_new_tokens']} new tokens, {st['dtype'].removeprefix('torch.')} on {st['device']}, "
+             f"{'prepacked' if st['prepacked_linears'] else 'stock'} kernels, {st['threads']} threads")
+    lines = [f"# Benchmark: {title}", ""]
     header = "| category | method | tokens/s | tau | speed-up vs hf | mismatches | peak MB |"
     lines += [header, "|---|---|---|---|---|---|---|"]
     for cat, per in [("overall", result["overall"]), *result["by_category"].items()]:
@@ -156,6 +185,22 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
             r = per[m]
             mm = "-" if r["mismatches_vs_hf"] is None else r["mismatches_vs_hf"]
             lines.append(f"| {cat} | {m} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | {r['speedup_vs_hf']:.2f} | {mm} | {r['peak_memory_mb']:.0f} |")
+    main = "medusa" if "medusa" in methods else methods[-1]
+    cats = result["by_category"]
+    if cats:
+        slow = min(cats, key=lambda c: cats[c][main]["speedup_vs_hf"])
+        lines += ["", f"Slowest category for `{main}`: {slow} ({cats[slow][main]['speedup_vs_hf']:.2f}x)."]
+    if result.get("by_prompt"):
+        per = result["by_prompt"]
+        worst = min(per, key=lambda p: per[p][main])
+        lines.append(f"Slowest single prompt for `{main}`: {worst} ({per[worst][main]:.2f}x).")
+    if result.get("long"):
+        lg = result["long"]
+        lines += ["", f"Long generation ({lg['max_new_tokens']} new tokens of open writing, EOS ignored):", "",
+                  "| method | tokens/s | tau | speed-up vs hf | same as hf |", "|---|---|---|---|---|"]
+        for m in methods:
+            r = lg[m]
+            lines.append(f"| {m} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | {r['speedup_vs_hf']:.2f} | {r['same_as_hf']} |")
     if "profile" in result:
         lines += ["", "Per-step profile of `medusa` (share of wall time): "
                   + ", ".join(f"{k} {v:.1%}" for k, v in result["profile"]["share_of_time"].items())]
@@ -175,6 +220,10 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speed-up vs transformers generate")
+    ax.set_title(title, fontsize=8)
+    for j, m in enumerate(methods):
+        tau = result["overall"][m]["mean_accepted"]
+        ax.annotate(f"tau {tau:.2f}", (j * width, result["overall"][m]["speedup_vs_hf"]), fontsize=6, ha="center", va="bottom")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=100)

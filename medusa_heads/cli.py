@@ -117,9 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--heads", default=None)
     _prepack_arg(b)
     b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    b.add_argument("--methods", default="hf,pld,medusa,medusa-preset",
-                   help="hf, hf-stock (stock kernels), pld, medusa (calibrated tree), medusa-preset, medusa:PRESET; "
-                        "a medusa method + '+pld' or '+pldN' adds prompt lookup (N tokens, default 10)")
+    b.add_argument("--methods", default="hf,pld,medusa,medusa-static",
+                   help="hf, hf-stock (stock kernels), pld, medusa (as configured: the per-step tree for calibrated "
+                        "heads), medusa-static (the heads' fixed tree), medusa-preset, medusa:PRESET; a medusa method "
+                        "+ '+pldN' sets prompt lookup to N tokens ('+pld0': heads only; default: the heads' own)")
     b.add_argument("--preset", default="cpu-16")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--do-sample", action="store_true")
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--top-p", type=float, default=0.9)
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--batch-sizes", default=None, help="e.g. 1,4,8: batched greedy throughput, hf vs medusa, instead")
+    b.add_argument("--long-tokens", type=int, default=512,
+                   help="also time one open-writing answer of this many new tokens, EOS ignored (0: skip)")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--out", default="results")
     b.set_defaults(fn=cmd_bench)

@@ -350,7 +350,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     sampling = dict(temperature=args.temperature, top_p=args.top_p) if args.do_sample else None
     if sampling is not None:
         torch.manual_seed(0)
-    result = run_bench(model, tok, rows, methods, args.max_new_tokens, sampling, preset=args.preset)
+    result = run_bench(model, tok, rows, methods, args.max_new_tokens, sampling, preset=args.preset,
+                       long_tokens=args.long_tokens)
     cal = model.config.extra.get("calibration")
     if cal:
         result["predicted"] = {"tau": cal["predicted_tau"], "speedup": cal["predicted_speedup"]}

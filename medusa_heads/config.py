@@ -26,6 +26,10 @@ class MedusaConfig:
     # generate()'s default prompt_lookup_num_tokens for unbatched generation: up to this many tokens copied from the
     # text so far are merged into the tree (0: heads only); an explicit prompt_lookup_num_tokens (0 too) wins
     lookup_tokens: int = 0
+    # The per-step tree's measurements (tree/adaptive.py, written by `medusa-heads calibrate`): "acceptance" (head
+    # probability -> acceptance, per depth), "lookup" (prompt lookup's acceptance by n-gram and depth), "cost"
+    # (verify milliseconds by kernels, context length and tree size). None: a fixed tree only.
+    adaptive: dict | None = None
     base_fingerprint: dict | None = None  # {architecture, hidden_size, vocab_size, lm_head_sha256}
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # free-form provenance (training recipe, data, metrics)

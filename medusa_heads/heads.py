@@ -128,15 +128,16 @@ class MedusaHeads(nn.Module):
     def _score(self, z: torch.Tensor) -> torch.Tensor:
         return z @ self.shared_weight.T if self.packed_scorer is None else self.packed_scorer(z, self.shared_weight)
 
-    def _ids(self, ranks: torch.Tensor) -> torch.Tensor:
+    def token_ids(self, ranks: torch.Tensor) -> torch.Tensor:
+        """Rows of the heads' logits (draft-vocabulary ranks) -> token ids."""
         return ranks if self.draft_vocab is None else self.draft_vocab[ranks]
 
     @torch.no_grad()
     def topk(self, h: torch.Tensor, k: int, context: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) -> (K, ..., k) token ids: each head's k best guesses, best first."""
-        return self._ids(self(h, context).topk(k, dim=-1).indices)
+        return self.token_ids(self(h, context).topk(k, dim=-1).indices)
 
     @torch.no_grad()
     def head_topk(self, head: int, h: torch.Tensor, k: int, context: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) -> (..., k) token ids: head `head`'s (0-based) k best guesses."""
-        return self._ids(self.head_logits(head, h, context).topk(k, dim=-1).indices)
+        return self.token_ids(self.head_logits(head, h, context).topk(k, dim=-1).indices)

@@ -17,15 +17,19 @@ from .checkpoint import (
 from .config import MedusaConfig
 from .heads import MedusaHeads
 from .inference.accept import TargetChoice, TypicalAcceptance
+from .inference.adaptive import AdaptiveDrafter
 from .inference.batch import decode_batch
 from .inference.decode import DecodeStats, decode
 from .inference.propose import Drafter, HeadsDrafter, LookupDrafter
 from .inference.sampling import build_processors, build_warpers
-from .inference.prepack import prepack_heads, prepack_linears
+from .inference.prepack import is_prepacked, prepack_heads, prepack_linears, prepack_supported
 from .inference.support import check_tree_attention
 from .inference.verify import Target
 from .models import DEFAULT_MODEL, default_heads_path, resolve_model
 from .tree import TreeSpec, build_buffers, load_tree
+from .tree.adaptive import Acceptance, CostModel, LookupAcceptance, kernels_key
+
+ADAPTIVE = "adaptive"  # tree= for a tree chosen at every step
 
 # GenerationConfig fields generate() honours; any other field set away from its default raises.
 _SUPPORTED = {
@@ -44,13 +48,27 @@ class MedusaGenerateOutput:
 
 
 class MedusaModel(nn.Module):
-    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads, tree: TreeSpec | None = None) -> None:
+    def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads,
+                 tree: str | Sequence[Sequence[int]] | TreeSpec | None = None) -> None:
         super().__init__()
         self.base_model = base_model
         self.heads = heads
         self.config = heads.config
         self.target = Target(base_model)
-        self.set_tree(tree if tree is not None else load_tree(heads.config.tree))
+        self.set_tree(tree if tree is not None and tree != ADAPTIVE else self._default_tree())  # the fixed tree
+        if tree == ADAPTIVE or (tree is None and self.cost_model() is not None):
+            self.set_tree(ADAPTIVE)
+
+    def _default_tree(self) -> TreeSpec:
+        """The heads' own fixed tree, cut to the heads there are (a preset may be deeper than new heads)."""
+        spec = load_tree(self.config.tree)
+        return TreeSpec.from_paths([p for p in spec.paths if len(p) <= self.config.num_heads])
+
+    def cost_model(self) -> CostModel | None:
+        """The stored cost model for the kernels this model's verify runs on, if the heads were calibrated for them."""
+        adaptive = self.config.adaptive or {}
+        entry = adaptive.get("cost", {}).get(kernels_key(self.base_model, is_prepacked(self.base_model)))
+        return CostModel.from_dict(entry) if entry and "acceptance" in adaptive else None
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -67,20 +85,25 @@ class MedusaModel(nn.Module):
         draft_vocab: Sequence[int] | None = None,
         tree: str | Sequence[Sequence[int]] | None = None,
         allow_base_mismatch: bool = False,
-        prepack: bool = False,
+        prepack: bool | None = None,
         **base_kwargs,
     ) -> "MedusaModel":
         """base: the default model's name, a local HF directory, a hub id, or a loaded model.
         heads: a heads directory; None for new (untrained) heads (num_heads, num_layers, mlp_size, own_lm_head,
         condition, draft_vocab shape them: see MedusaConfig); "auto" for the shipped heads when their
-        base fingerprint matches this base (the default model), new heads otherwise. tree: preset name or rank paths (default: the heads' own).
+        base fingerprint matches this base (the default model), new heads otherwise. tree: preset name or rank paths
+        for a fixed tree, or "adaptive" for a tree chosen at each step (default: adaptive where the heads were
+        calibrated for this model's kernels, else the heads' own fixed tree).
         prepack: run the base's nn.Linear layers through oneDNN with prepacked weights (CPU, fp32 or bf16; see
         inference/prepack.py): faster plain decoding and a nearly flat verify cost up to ~16 tree tokens. It swaps
         the modules of `base` in place, so `base.generate` runs on the same kernels. Loaded heads are packed too
-        (drafting is a few rows per level, where the stock kernels are slowest); new heads (heads=None) are not."""
+        (drafting is a few rows per level, where the stock kernels are slowest); new heads (heads=None) are not.
+        Default (None): on when this call loads the base itself onto the CPU, off for a model passed in."""
         if not isinstance(base, PreTrainedModel):
             base_kwargs.setdefault("dtype", torch.float32)
             base = AutoModelForCausalLM.from_pretrained(resolve_model(str(base)), **base_kwargs)
+            if prepack is None:
+                prepack = base.device.type == "cpu" and prepack_supported()
         if heads not in ("auto", None) and (Path(heads) / "adapter" / "adapter_config.json").is_file():
             base = _merge_adapter(base, Path(heads))
         base.eval()
@@ -116,14 +139,31 @@ class MedusaModel(nn.Module):
         medusa_heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
         if prepack and heads is not None:  # trained heads draft through oneDNN too (new heads are for training)
             prepack_heads(medusa_heads)
-        return cls(base, medusa_heads, load_tree(tree) if tree is not None else None)
+        return cls(base, medusa_heads, tree)
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Heads only: config.json + heads.safetensors."""
         self.config.tree = self.tree.to_list()
         return save_heads(directory, self.heads, self.config)
 
+    def _adaptive_drafter(self, lookup: int, ngram: int) -> AdaptiveDrafter:
+        """A drafter for one call (it learns from the call's own acceptance)."""
+        stored = self.config.adaptive
+        table = LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None
+        return AdaptiveDrafter(self.heads, Acceptance.from_dict(stored["acceptance"]), self.cost_model(), table, lookup,
+                               max_ngram=ngram, min_ngram=min(ngram, table.ngrams[0]) if table is not None else 1)
+
     def set_tree(self, tree: str | Sequence[Sequence[int]] | TreeSpec) -> None:
+        """A preset name, rank paths or a TreeSpec: that fixed tree at every step. "adaptive": a tree chosen at each
+        step (inference/adaptive.py), which needs heads calibrated for this model's kernels; the fixed tree stays
+        what batches and a user's own drafter are given. Not for while other threads generate with this model."""
+        if isinstance(tree, str) and tree == ADAPTIVE:
+            if self.cost_model() is None:
+                raise ValueError(f'tree="adaptive" needs the heads calibrated for these kernels '
+                                 f'({kernels_key(self.base_model, is_prepacked(self.base_model))}): run medusa-heads calibrate')
+            self.adaptive = True
+            return
+        self.adaptive = False
         spec = load_tree(tree)
         spec.check_heads(self.config.num_heads)
         if spec.topk > self.config.draft_vocab_size:
@@ -172,7 +212,9 @@ class MedusaModel(nn.Module):
         acceptance="typical" (Medusa's typical acceptance: faster, lossy).
         prompt_lookup_num_tokens=N (as in transformers) adds up to N tokens copied from the text so far after the
         latest earlier occurrence of its last 3 (max_matching_ngram_size) or 2 tokens, merged into the heads' tree;
-        output is unchanged, only tau. Unset, it is the heads' config.lookup_tokens (unbatched generation only)."""
+        output is unchanged, only tau. Unset, it is the heads' config.lookup_tokens (unbatched generation only).
+        With tree "adaptive" (the default for calibrated heads) each unbatched step chooses its own tree, lookup
+        included; batches draft the fixed tree."""
         gc = self._generation_config(generation_config, kwargs)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
@@ -207,31 +249,29 @@ class MedusaModel(nn.Module):
             raise ValueError(f'acceptance must be "exact" or "typical", got {acceptance!r}')
 
         device = self.base_model.device
-        if self.tree_buffers.mask.device != device:  # the model was moved since the tree was set
-            self.tree_buffers = self.tree_buffers.to(device)
+        buffers = self.tree_buffers if self.tree_buffers.mask.device == device else self.tree_buffers.to(device)
         processors = build_processors(gc, input_ids.shape[1], logits_processor)
-        drafter = drafter or HeadsDrafter(self.heads)
         lookup = gc.prompt_lookup_num_tokens
         if lookup is None and not batched:
             lookup = self.config.lookup_tokens
-        if lookup:  # the heads' tree plus a continuation copied from the text so far
-            if batched:
-                raise ValueError("prompt_lookup_num_tokens grows each row's tree differently; it serves one unpadded "
-                                 "sequence at a time, so leave it unset for batched generation")
-            ngram = gc.max_matching_ngram_size or 3
-            drafter = LookupDrafter(drafter, lookup, max_ngram=ngram, min_ngram=min(2, ngram))
+        ngram = gc.max_matching_ngram_size or 3
+        if drafter is None and self.adaptive and not batched:  # this step's tree from the heads' confidence
+            drafter = self._adaptive_drafter(lookup or 0, ngram)
+        elif lookup:  # the heads' tree plus a continuation copied from the text so far, grown row by row
+            drafter = LookupDrafter(drafter or HeadsDrafter(self.heads), lookup, max_ngram=ngram, min_ngram=min(2, ngram))
+        drafter = drafter or HeadsDrafter(self.heads)
         if batched:
             pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids or [None])[0]  # transformers' fallback
             if pad is None:
                 raise ValueError("batched generation needs pad_token_id (or eos_token_id) to pad finished rows")
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             sequences, stats = decode_batch(
-                self.target, drafter, self.tree_buffers, input_ids.to(device), mask.to(device), max_new, rule, eos, pad,
+                self.target, drafter, buffers, input_ids.to(device), mask.to(device), max_new, rule, eos, pad,
                 processors=processors, stopping=stopping_criteria,
             )
         else:
             sequences, stats = decode(
-                self.target, drafter, self.tree_buffers, input_ids.to(device), max_new, rule, eos,
+                self.target, drafter, buffers, input_ids.to(device), max_new, rule, eos,
                 streamer, processors=processors, stopping=stopping_criteria,
             )
         if gc.return_dict_in_generate:
@@ -247,8 +287,6 @@ def _merge_adapter(base: PreTrainedModel, heads: Path) -> PreTrainedModel:
     """Heads trained jointly with LoRA (Medusa-2) come with their adapter: merge it into `base` (in place), after
     checking that the heads were trained for this base. Generation is then exact for the ADAPTED model."""
     from peft import PeftModel
-
-    from .inference.prepack import is_prepacked
 
     check_fingerprint(load_config(heads), base)
     if is_prepacked(base):

@@ -82,10 +82,10 @@ def draft_latency(heads, spec: TreeSpec, repeats: int = 20) -> float:
     drafter = HeadsDrafter(heads)
     h = torch.randn(heads.config.hidden_size, dtype=param.dtype, device=param.device)
     seq = torch.zeros(8, dtype=torch.long, device=param.device)
-    drafter.draft(h, seq, buffers)
+    drafter.draft_tokens(h[None], seq[-1:], buffers)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        drafter.draft(h, seq, buffers)
+        drafter.draft_tokens(h[None], seq[-1:], buffers)
     return (time.perf_counter() - t0) / repeats
 
 

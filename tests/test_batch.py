@@ -6,6 +6,7 @@ import torch
 from transformers import TextStreamer
 
 from medusa_heads import MedusaModel
+from medusa_heads.inference.propose import RowDrafter
 
 from conftest import randomize_heads, tiny_model
 from test_sampling import SETTINGS, TREE, VOCAB, exact_joint, p_value
@@ -24,14 +25,14 @@ def padded_batch(lengths: list[int], seed: int = 0, vocab: int = 96) -> tuple[to
     return ids, mask
 
 
-class RowOracle:
+class RowOracle(RowDrafter):
     """Drafts each row's true greedy continuation (found by its prefix) at rank 0, for rows in `right`;
     other rows get wrong drafts. Rows thus accept very different numbers of tokens per step."""
 
     def __init__(self, reference: torch.Tensor, right: set[int], vocab: int = 96) -> None:
         self.reference, self.right, self.vocab = reference, right, vocab
 
-    def draft(self, hidden, sequence, buffers):
+    def draft_row(self, hidden, sequence, buffers):
         n = sequence.shape[0]
         row = next(b for b in range(self.reference.shape[0]) if torch.equal(self.reference[b, :n], sequence))
         ref = torch.cat([self.reference[row], torch.zeros(buffers.size, dtype=torch.long)])
@@ -127,6 +128,7 @@ def test_drafting_a_batch_equals_drafting_each_row(condition):
 
     model = randomize_heads(MedusaModel.from_pretrained(tiny_model("llama"), heads=None, condition=condition, tree="cpu-32"))
     drafter, h, roots = HeadsDrafter(model.heads), 0.1 * torch.randn(5, 32), torch.tensor([3, 1, 4, 1, 5])
-    batch = drafter.draft_batch(h, roots, model.tree_buffers)
-    rows = torch.stack([drafter.draft(h[b], torch.tensor([7, int(roots[b])]), model.tree_buffers) for b in range(5)])
+    batch = drafter.draft_tokens(h, roots, model.tree_buffers)
+    rows = torch.stack([drafter.draft(h[b : b + 1], [torch.tensor([7, int(roots[b])])], model.tree_buffers)[0].tokens
+                        for b in range(5)])
     assert torch.equal(batch, rows) and batch.shape == (5, model.tree.num_nodes)

@@ -19,15 +19,20 @@ def test_bench_writes_tables_and_greedy_methods_match(tmp_path, real_base):
     base = tiny_model("llama", seed=2, vocab_size=len(tok))
     model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-8"))
     rows = [PromptRow("a", ["Hello there"], category="chat"), PromptRow("b", ["Two turns", "and again"], category="multi")]
-    methods = ["hf", "hf-stock", "pld", "medusa", "medusa-preset", "medusa:cpu-8", "medusa+pld", "medusa:chain-4+pld3"]
-    result = run_bench(model, tok, rows, methods, max_new_tokens=8, preset="chain-4")
+    methods = ["hf", "hf-stock", "pld", "medusa", "medusa-static", "medusa-preset", "medusa:cpu-8", "medusa+pld",
+               "medusa:chain-4+pld3"]
+    result = run_bench(model, tok, rows, methods, max_new_tokens=8, preset="chain-4", long_tokens=12)
     assert set(result["overall"]) == set(methods) and set(result["by_category"]) == {"chat", "multi"}
     assert all(r["mismatches_vs_hf"] == 0 for r in result["overall"].values())
     assert result["overall"]["hf"]["mean_accepted"] == 1.0
     assert model.tree_buffers.size == 9  # the calibrated tree is restored
     write_results(result, tmp_path, methods)
     assert json.loads((tmp_path / "results.json").read_text())["overall"]["medusa"]["speedup_vs_hf"] > 0
-    assert (tmp_path / "speedup.png").stat().st_size > 1000 and "medusa-preset" in (tmp_path / "results.md").read_text()
+    table = (tmp_path / "results.md").read_text()
+    assert (tmp_path / "speedup.png").stat().st_size > 1000 and "medusa-preset" in table
+    assert "Slowest category for `medusa`" in table and "Slowest single prompt for `medusa`: " in table
+    assert result["long"]["medusa"]["tokens"] == 12 and all(result["long"][m]["same_as_hf"] for m in methods)
+    assert set(result["by_prompt"]) == {"a#1", "b#1", "b#3"}
 
 
 def test_calibration_picks_a_tree_from_measured_latency():

@@ -7,18 +7,19 @@ import torch
 from transformers import LogitsProcessorList, SuppressTokensLogitsProcessor
 
 from medusa_heads import MedusaModel
+from medusa_heads.inference.propose import RowDrafter
 from medusa_heads.inference.verify import Target
 
 from conftest import ARCHS, chat_ids, randomize_heads, tiny_model
 
 
-class OracleDrafter:
+class OracleDrafter(RowDrafter):
     """Proposes the true greedy continuation at rank 0 and a wrong token at other ranks."""
 
     def __init__(self, reference: torch.Tensor, vocab: int) -> None:
         self.reference, self.vocab = reference[0], vocab
 
-    def draft(self, hidden, sequence, buffers):
+    def draft_row(self, hidden, sequence, buffers):
         n = sequence.shape[0]  # the root sits at n - 1, so a depth-d node is the token at n - 1 + d
         ref = torch.cat([self.reference, torch.zeros(buffers.size, dtype=torch.long)])
         depth = buffers.depth[1:]
@@ -30,8 +31,8 @@ class OracleDrafter:
 class WrongDrafter(OracleDrafter):
     """Never right: every draft differs from the greedy continuation."""
 
-    def draft(self, hidden, sequence, buffers):
-        return (super().draft(hidden, sequence, buffers) + 1 + torch.arange(buffers.size - 1)) % self.vocab
+    def draft_row(self, hidden, sequence, buffers):
+        return (super().draft_row(hidden, sequence, buffers) + 1 + torch.arange(buffers.size - 1)) % self.vocab
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -207,7 +208,7 @@ def test_path_conditioned_drafts_follow_each_nodes_own_path():
 
     model = randomize_heads(MedusaModel.from_pretrained(tiny_model("llama"), heads=None, condition="path", tree="cpu-32"))
     h, seq = 0.1 * torch.randn(32), torch.tensor([3, 1, 4, 1, 5])  # small h: the context tokens matter
-    drafted = HeadsDrafter(model.heads).draft(h, seq, model.tree_buffers)
+    drafted = HeadsDrafter(model.heads).draft(h[None], [seq], model.tree_buffers)[0].tokens
     token = {(): int(seq[-1])}
     for path in model.tree.paths:  # parents come first
         context = torch.tensor([token[path[:j]] for j in range(len(path))])

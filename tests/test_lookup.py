@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from medusa_heads import MedusaModel
-from medusa_heads.inference.propose import LookupDrafter, lookup
+from medusa_heads.inference.propose import Draft, LookupDrafter, RowDrafter, lookup
 from medusa_heads.tree import TreeSpec, build_buffers
 from medusa_heads.tree.buffers import with_chain
 
@@ -43,30 +43,34 @@ def test_a_chain_below_a_node_extends_mask_depth_and_paths_and_leaves_the_heads_
         with_chain(base, below=0, length=0)
 
 
-class FixedDrafter:
+class FixedDrafter(RowDrafter):
     """Drafts the same tokens at every step."""
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = T(tokens)
 
-    def draft(self, hidden, sequence, buffers):
+    def draft_row(self, hidden, sequence, buffers):
         return self.tokens.clone()
+
+
+def draft_one(drafter, h, sequence, buffers) -> Draft:
+    return drafter.draft(h[None], [sequence], buffers)[0]
 
 
 def test_the_lookup_follows_drafted_nodes_and_hangs_only_new_tokens_below():
     base = build_buffers(TreeSpec.from_paths([[0], [1], [0, 0]]))
     drafter = LookupDrafter(FixedDrafter([10, 11, 12]), max_tokens=4)  # [0] -> 10, [1] -> 11, [0, 0] -> 12
     h = torch.zeros(8)
-    tokens, grown = drafter.draft_tree(h, T([3, 4, 10, 12, 13, 14, 3, 4]), base)  # continuation 10 12 13 14
+    tokens, grown = draft_one(drafter, h, T([3, 4, 10, 12, 13, 14, 3, 4]), base)  # continuation 10 12 13 14
     assert tokens.tolist() == [10, 11, 12, 13, 14] and grown.parent.tolist() == [-1, 0, 0, 1, 3, 4]
-    tokens, grown2 = drafter.draft_tree(h, T([3, 4, 11, 20, 9, 3, 4]), base)  # 11 20 9 3: below node 2
+    tokens, grown2 = draft_one(drafter, h, T([3, 4, 11, 20, 9, 3, 4]), base)  # 11 20 9 3: below node 2
     assert tokens.tolist() == [10, 11, 12, 20, 9, 3] and grown2.parent.tolist() == [-1, 0, 0, 1, 2, 4, 5]
-    tokens, same = drafter.draft_tree(h, T([3, 4, 10, 12, 3, 4]), base)  # 10 12 3 4: the node path, then 3 4
+    tokens, same = draft_one(drafter, h, T([3, 4, 10, 12, 3, 4]), base)  # 10 12 3 4: the node path, then 3 4
     assert same.parent.tolist() == [-1, 0, 0, 1, 3, 4] and same is grown  # grown trees are built once
     short = LookupDrafter(FixedDrafter([10, 11, 12]), max_tokens=2)
-    tokens, plain = short.draft_tree(h, T([3, 4, 10, 12, 3, 4]), base)  # the continuation [10, 12] is all drafted
+    tokens, plain = draft_one(short, h, T([3, 4, 10, 12, 3, 4]), base)  # the continuation [10, 12] is all drafted
     assert plain is base and tokens.tolist() == [10, 11, 12]
-    tokens, plain = drafter.draft_tree(h, T([1, 2, 3, 4]), base)  # no match
+    tokens, plain = draft_one(drafter, h, T([1, 2, 3, 4]), base)  # no match
     assert plain is base and tokens.tolist() == [10, 11, 12]
     with pytest.raises(ValueError, match="max_tokens >= 1"):
         LookupDrafter(FixedDrafter([]), max_tokens=0)
@@ -76,14 +80,14 @@ def test_the_lookup_follows_drafted_nodes_and_hangs_only_new_tokens_below():
 def grown_steps(monkeypatch):
     """Counts the steps at which the lookup grew the tree (a test that never grows one proves nothing)."""
     count = {"grown": 0}
-    draft_tree = LookupDrafter.draft_tree
+    draft = LookupDrafter.draft
 
-    def spy(self, hidden, sequence, buffers):
-        tokens, step = draft_tree(self, hidden, sequence, buffers)
-        count["grown"] += step is not buffers
-        return tokens, step
+    def spy(self, hidden, sequences, buffers):
+        drafts = draft(self, hidden, sequences, buffers)
+        count["grown"] += sum(d.buffers is not buffers for d in drafts)
+        return drafts
 
-    monkeypatch.setattr(LookupDrafter, "draft_tree", spy)
+    monkeypatch.setattr(LookupDrafter, "draft", spy)
     return count
 
 
@@ -112,10 +116,14 @@ def test_lookup_keeps_sampling_exact(grown_steps):
     assert p_value(law, draws(model, ids, DRAWS // 3, **{**SETTINGS, "temperature": 0.8}, **lookup_settings)) < 1e-3
 
 
-def test_lookup_refuses_a_batch():
-    model = MedusaModel.from_pretrained(tiny_model("llama"), heads=None, tree="cpu-8")
-    with pytest.raises(ValueError, match="one unpadded sequence at a time"):
-        model.generate(torch.ones(2, 4, dtype=torch.long), max_new_tokens=4, prompt_lookup_num_tokens=5)
+def test_lookup_grows_each_rows_tree_in_a_batch(grown_steps):
+    base = tiny_model("llama", seed=2)
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-8"))
+    motif = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(4))
+    ids = torch.cat([motif, motif, motif[:, :2]], dim=1)  # each row repeats its own motif
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, max_new_tokens=30, prompt_lookup_num_tokens=6, pad_token_id=0), ref)
+    assert grown_steps["grown"] > 3
 
 
 @pytest.mark.real

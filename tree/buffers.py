@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass, fields
 
 import torch
@@ -113,3 +114,23 @@ def with_chain(buffers: TreeBuffers, below: int, length: int) -> TreeBuffers:
     t = len(parent)
     parent += [below] + list(range(t, t + length - 1))
     return dataclasses.replace(buffers, **_structure(parent))
+
+
+_by_shape: dict[tuple[tuple[int, ...], str], TreeBuffers] = {}
+_by_shape_lock = threading.Lock()
+
+
+def from_parents(parent: tuple[int, ...], device: torch.device | str = "cpu") -> TreeBuffers:
+    """Buffers of the tree with this parent list (parent[0] = -1 is the root; each node after its parent), for
+    trees chosen at each step. Immutable, so kept by shape and shared between calls and threads (at most 4,096
+    shapes; past that, built anew). No heads' drafting buffers: the drafter that chose the tree drafted it."""
+    key = (parent, str(device))
+    buffers = _by_shape.get(key)
+    if buffers is None:
+        structure = _structure(list(parent))
+        buffers = TreeBuffers(**structure, draft_index=torch.zeros(0, dtype=torch.long), topk=0,
+                              num_heads=int(structure["depth"].max())).to(device)
+        with _by_shape_lock:
+            if len(_by_shape) < 4096:
+                buffers = _by_shape.setdefault(key, buffers)
+    return buffers

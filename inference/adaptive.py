@@ -1,0 +1,132 @@
+"""The tree of each step, chosen from the heads' own confidence and what a verify costs (EAGLE-2's idea, sized
+like Sequoia's trees by a measured cost model).
+
+1. Expand: level by level, head d scores the children of the `beam` most promising nodes of level d - 1; each
+   child is worth its parent's worth times its calibrated acceptance (tree/adaptive.Acceptance).
+2. Lookup: a prompt-lookup continuation walks the same candidates; where it repeats a drafted child, that child is
+   one node worth the larger of the two estimates; the rest hangs below as a chain worth the lookup's own rates.
+3. Select: worth never grows down a path, so the n most valuable candidates are prefix-closed; keep the n (0: a
+   plain step) that maximises expected tokens per millisecond under the stored cost model.
+4. Learn: after the verify, observed acceptance corrects the calibration for the rest of this call.
+
+The tree depends on the drafts, the context length, the stored cost model and earlier steps' acceptance, never on
+the target's output at this step nor on live timings: output stays exactly the target's, and a seed reproduces
+a sample."""
+from __future__ import annotations
+
+import torch
+
+from ..heads import MedusaHeads
+from ..tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size
+from ..tree.buffers import TreeBuffers, from_parents
+from .propose import Draft, lookup_match
+
+PRIOR = 4.0  # pseudo-observations behind the stored calibration, before a call's own acceptance corrects it
+
+
+class Correction:
+    """Observed / predicted acceptance per depth (and for lookup nodes), with PRIOR pseudo-counts of agreement."""
+
+    def __init__(self, depths: int) -> None:
+        self.predicted = torch.zeros(depths + 1, dtype=torch.float64)  # [0]: lookup nodes, [d]: heads at depth d
+        self.observed = torch.zeros(depths + 1, dtype=torch.float64)
+
+    def factor(self, slot: int) -> float:
+        slot = min(slot, self.predicted.shape[0] - 1)
+        return float((self.observed[slot] + PRIOR) / (self.predicted[slot] + PRIOR))
+
+    def add(self, slot: int, predicted: float, observed: float) -> None:
+        slot = min(slot, self.predicted.shape[0] - 1)
+        self.predicted[slot] += predicted
+        self.observed[slot] += observed
+
+
+class AdaptiveDrafter:
+    """Drafts a tree chosen for this step (see the module's docstring); one per generate call (it learns)."""
+
+    def __init__(self, heads: MedusaHeads, acceptance: Acceptance, cost: CostModel,
+                 lookup: LookupAcceptance | None = None, lookup_tokens: int = 0, max_ngram: int = 3,
+                 min_ngram: int = 1, topk: int = 4, beam: int = 4) -> None:
+        if topk < 1 or beam < 1:
+            raise ValueError(f"topk and beam must be >= 1, got {topk} and {beam}")
+        if lookup_tokens and lookup is None:
+            raise ValueError("prompt lookup in a per-step tree needs its measured acceptance (run medusa-heads calibrate)")
+        self.heads, self.acceptance, self.cost, self.lookup = heads, acceptance, cost, lookup
+        self.lookup_tokens, self.max_ngram, self.min_ngram = lookup_tokens, max_ngram, min_ngram
+        self.topk, self.beam = min(topk, heads.config.draft_vocab_size), min(beam, cost.max_size)
+        self.depth = heads.config.num_heads
+        self.correction = Correction(self.depth)
+        self._drafted: list[tuple[list[int], list[float], list[int]]] = []  # per row: parents, worth, slot
+
+    def draft(self, hidden: torch.Tensor, sequences: list[torch.Tensor], buffers: TreeBuffers) -> list[Draft]:
+        self._drafted = []
+        return [self._draft_row(hidden[b], seq) for b, seq in enumerate(sequences)]
+
+    @torch.no_grad()
+    def _draft_row(self, h: torch.Tensor, sequence: torch.Tensor) -> Draft:
+        device = h.device
+        tok, par, val, slot = [int(sequence[-1])], [-1], [1.0], [0]  # candidates; node 0 is the root
+        paths = [[tok[0]]]  # each candidate's tokens from the root (drafted ones: lookup's come after)
+        verify_ms = self.cost.verify_ms(sequence.shape[0] - 1)  # (max_size,)
+        worth_a_level = self.cost.draft_ms / float(verify_ms[0])  # a level must promise this much to be drafted
+        frontier, levels = [0], 0
+        for d in range(1, self.depth + 1):
+            if not frontier or val[frontier[0]] < worth_a_level:
+                break
+            context = torch.tensor([paths[i] for i in frontier], device=device)  # (F, d): root .. parent
+            logits = self.heads.head_logits(d - 1, h.expand(len(frontier), -1), context)  # (F, V')
+            probs, ranks = logits.float().softmax(-1).topk(self.topk, dim=-1)  # (F, k)
+            ids = self.heads.token_ids(ranks).tolist()
+            rates = (self.acceptance(d, probs) * self.correction.factor(d)).clamp(max=1.0)
+            worth = (torch.tensor([val[i] for i in frontier])[:, None] * rates.cpu()).tolist()
+            levels += 1
+            level = []
+            for f, parent in enumerate(frontier):
+                for j in range(self.topk):
+                    level.append(len(tok))
+                    tok.append(ids[f][j]), par.append(parent), val.append(worth[f][j]), slot.append(d)
+                    paths.append(paths[parent] + [ids[f][j]])
+            frontier = sorted(level, key=lambda i: -val[i])[: self.beam]
+        if self.lookup_tokens:
+            self._merge_lookup(sequence, tok, par, val, slot, paths)
+
+        order = sorted(range(1, len(tok)), key=lambda i: (-val[i], len(paths[i])))[: self.cost.max_size - 1]
+        step_ms = verify_ms + levels * self.cost.draft_ms + self.cost.overhead_ms
+        n = best_size(torch.tensor([val[i] for i in order]), step_ms)
+        keep = order[:n]  # parents before children: worth never grows down a path, ties go to the shallower
+        index = {c: i + 1 for i, c in enumerate(keep)}
+        parents = (-1, *(index[par[c]] if par[c] else 0 for c in keep))
+        self._drafted.append((list(parents), [1.0] + [val[c] for c in keep], [0] + [slot[c] for c in keep]))
+        tokens = torch.tensor([tok[c] for c in keep], dtype=torch.long, device=device)
+        return Draft(tokens, from_parents(parents, device))
+
+    def _merge_lookup(self, sequence: torch.Tensor, tok: list[int], par: list[int], val: list[float],
+                      slot: list[int], paths: list[list[int]]) -> None:
+        """The lookup continuation follows drafted candidates while it repeats them (raising their worth to its
+        own where higher), then hangs below as new candidates worth the lookup's rates."""
+        found, ngram = lookup_match(sequence, self.lookup_tokens, self.max_ngram, self.min_ngram)
+        rates = self.lookup.chain(ngram, len(found))
+        children: dict[int, dict[int, int]] = {}
+        for i in range(1, len(tok)):
+            children.setdefault(par[i], {})[tok[i]] = i
+        node, worth = 0, 1.0
+        for token, rate in zip(found.tolist(), rates):
+            worth *= min(rate * self.correction.factor(0), 1.0)
+            child = children.get(node, {}).get(token)
+            if child is None:
+                child = len(tok)
+                tok.append(token), par.append(node), val.append(worth), slot.append(0)
+                paths.append(paths[node] + [token])
+            elif worth > val[child]:
+                val[child], slot[child] = worth, 0
+            node = child
+
+    def update(self, accepted: list[torch.Tensor]) -> None:
+        """Each accepted node's children predicted sum(rate) acceptances; one was observed if the path went on."""
+        for (parents, worth, slot), nodes in zip(self._drafted, accepted):
+            nodes = nodes.tolist()
+            for depth, node in enumerate(nodes):
+                nxt = nodes[depth + 1] if depth + 1 < len(nodes) else -1
+                for child in (c for c in range(1, len(parents)) if parents[c] == node):
+                    rate = worth[child] / max(worth[node], 1e-12)
+                    self.correction.add(slot[child], rate, float(child == nxt))

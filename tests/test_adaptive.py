@@ -1,0 +1,172 @@
+"""Trees chosen at each step: the selection, and output that stays exactly the target's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_heads import MedusaModel
+from medusa_heads.inference.adaptive import AdaptiveDrafter
+from medusa_heads.inference.propose import Draft, RowDrafter
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size, isotonic, kernels_key
+from medusa_heads.tree.buffers import build_buffers, from_parents
+from medusa_heads.tree.spec import TreeSpec
+
+from conftest import randomize_heads, tiny_model
+from test_sampling import DRAWS, NEW, SETTINGS, TREE, exact_joint, p_value
+
+EDGES = (0.0, 0.1, 0.3, 0.6, 1.0)
+FLAT = CostModel(contexts=(0,), sizes=(1, 2, 32), ms=((10.0, 10.0, 12.0),), draft_ms=0.1)  # trees nearly free
+STEEP = CostModel(contexts=(0,), sizes=(1, 2, 32), ms=((10.0, 30.0, 500.0),), draft_ms=0.1)  # a node costs 2 steps
+
+
+def calibrated(base, cost: CostModel, rates=(0.2, 0.5, 0.8, 0.95), num_heads: int = 3, std: float = 0.3, **kw) -> MedusaModel:
+    """Random path-conditioned heads with a hand-made calibration and cost model for this base's kernels."""
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, num_heads=num_heads, condition="path", **kw), std=std)
+    model.config.adaptive = {
+        "acceptance": Acceptance(EDGES, (rates,) * num_heads).to_dict(),
+        "lookup": LookupAcceptance((1, 2, 3), ((0.3,), (0.6,), (0.8, 0.9))).to_dict(),
+        "cost": {kernels_key(base, prepacked=False): cost.to_dict()},
+    }
+    model.set_tree("adaptive")
+    return model
+
+
+def test_the_most_valuable_nodes_per_millisecond_win_and_none_is_a_plain_step():
+    step = torch.tensor([10.0, 10.0, 10.0, 10.0, 40.0])  # ms with 1..5 tree tokens
+    assert best_size(torch.tensor([0.9, 0.8, 0.1, 0.05]), step) == 3  # 2.8 / 10 beats 2.7 / 10 and 2.85 / 40
+    assert best_size(torch.tensor([0.9, 0.8, 0.1, 0.05]), torch.tensor([10.0, 10.0, 10.0, 20.0, 40.0])) == 2
+    assert best_size(torch.tensor([0.01, 0.01]), torch.tensor([10.0, 11.0, 12.0])) == 0  # 1/10 > 1.01/11
+    assert best_size(torch.tensor([]), step) == 0
+    assert isotonic([0.1, 0.3, 0.2, 0.5], [1, 1, 1, 2]) == pytest.approx([0.1, 0.25, 0.25, 0.5])
+
+
+def test_the_cost_model_interpolates_sizes_and_contexts():
+    cost = CostModel(contexts=(256, 1024), sizes=(1, 3), ms=((10.0, 14.0), (20.0, 30.0)))
+    assert cost.verify_ms(256).tolist() == pytest.approx([10, 12, 14])
+    assert cost.verify_ms(640).tolist() == pytest.approx([15, 18.5, 22])
+    assert cost.verify_ms(0)[0] == pytest.approx(10)  # below the measured contexts: the first row
+    assert cost.verify_ms(1792)[0] == pytest.approx(30)  # above: extrapolated
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    with pytest.raises(ValueError, match="sizes must increase from 1"):
+        CostModel(contexts=(1,), sizes=(2, 4), ms=((1.0, 2.0),))
+    with pytest.raises(ValueError, match="rise from 0 to 1"):
+        Acceptance((0.0, 0.5), ((0.1,),))
+
+
+def test_acceptance_reads_its_bin_and_depth():
+    acc = Acceptance(EDGES, ((0.1, 0.2, 0.3, 0.4), (0.5, 0.6, 0.7, 0.8)))
+    assert acc(1, torch.tensor([0.0, 0.1, 0.35, 0.99])).tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert acc(5, torch.tensor([0.05])).tolist() == pytest.approx([0.5])  # deeper than measured: the last row
+    assert LookupAcceptance((1, 3), ((0.2,), (0.7, 0.9))).chain(2, 3) == [0.2, 0.2, 0.2]
+
+
+def test_trees_by_shape_are_built_once_and_match_the_spec_builder():
+    spec = TreeSpec.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    built = build_buffers(spec)
+    dynamic = from_parents((-1, 0, 0, 1, 1, 3))
+    for name in ("mask", "depth", "parent", "paths", "path_len"):
+        assert torch.equal(getattr(dynamic, name), getattr(built, name)), name
+    assert dynamic.children == built.children and from_parents((-1, 0, 0, 1, 1, 3)) is dynamic
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_adaptive_trees_keep_greedy_output_the_targets(arch):
+    base = tiny_model(arch, seed=2)
+    for cost in (FLAT, STEEP):
+        model = calibrated(base, cost)
+        sizes = []
+        for seed in range(3):
+            motif = torch.randint(0, 96, (5,), generator=torch.Generator().manual_seed(seed))
+            ids = torch.cat([motif, motif, motif[:2]])[None]  # repeats itself: the lookup finds continuations
+            ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+            for lookup in (0, 6):
+                res = model.generate(ids, max_new_tokens=40, prompt_lookup_num_tokens=lookup, return_dict_in_generate=True)
+                assert torch.equal(res.sequences, ref), f"{arch}, prompt {seed}, lookup {lookup}"
+                sizes += res.stats.tree_sizes
+        if cost is STEEP:
+            assert set(sizes) == {0}, "a node that costs two plain steps is never worth drafting"
+        else:
+            assert len(set(sizes)) > 2 and max(sizes) > 6, "cheap trees should vary with the heads' confidence"
+
+
+def test_trees_shrink_where_the_heads_are_wrong():
+    """Heads that promise 95% but are always wrong: the call's own acceptance pulls the tree down to plain steps."""
+    base = tiny_model("llama", seed=4)
+    model = calibrated(base, CostModel(contexts=(0,), sizes=(1, 2, 8, 32), ms=((10.0, 11.0, 14.0, 40.0),), draft_ms=0.5),
+                       rates=(0.95,) * 4, std=3.0)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    res = model.generate(ids, max_new_tokens=60, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
+    sizes = res.stats.tree_sizes
+    assert sizes[0] > 4 and sum(sizes[-10:]) < sum(sizes[:10]) / 3, sizes
+
+
+def test_adaptive_sampling_is_exact_with_plain_steps_among_tree_steps():
+    base = tiny_model("llama", seed=5, vocab_size=6, initializer_range=0.6)
+    # trees are cheap after 3 cached tokens (the first step) and dear from 4 on: plain steps follow tree steps
+    cost = CostModel(contexts=(3, 4), sizes=(1, 2, 4, 32), ms=((10.0, 10.5, 11.0, 60.0), (10.0, 40.0, 80.0, 500.0)))
+    model = calibrated(base, cost, rates=(0.05, 0.4, 0.7, 0.95), std=1.0, tree=TREE)
+    ids = torch.tensor([[1, 4, 2]])
+    law = exact_joint(base, ids, **SETTINGS)
+    g = torch.Generator().manual_seed(99)
+    counts, sizes = {}, []
+    for _ in range(DRAWS):
+        res = model.generate(ids, max_new_tokens=NEW, generator=g, return_dict_in_generate=True, **SETTINGS)
+        key = tuple(res.sequences[0, ids.shape[1]:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        sizes += res.stats.tree_sizes
+    assert 0 in sizes and max(sizes) >= 3, "the test must mix plain steps and tree steps"
+    assert sum(1 for s in sizes if s) > DRAWS // 4
+    assert p_value(law, counts) > 1e-3
+
+
+def test_a_seed_reproduces_an_adaptive_sample():
+    base = tiny_model("llama", seed=7)
+    model = calibrated(base, FLAT)
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(3))
+    outs = [model.generate(ids, max_new_tokens=30, do_sample=True, temperature=0.8,
+                           generator=torch.Generator().manual_seed(11)) for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])
+
+
+class ChainPerRow(RowDrafter):
+    """Row b drafts a chain of b + 1 wrong-or-right tokens (its reference continuation): trees differ per row."""
+
+    def __init__(self, reference: torch.Tensor) -> None:
+        self.reference = reference
+
+    def draft(self, hidden, sequences, buffers):
+        out = []
+        for seq in sequences:
+            row = next(b for b in range(self.reference.shape[0]) if torch.equal(self.reference[b, : seq.shape[0]], seq))
+            n = row + 1
+            truth = torch.cat([self.reference[row], torch.zeros(n, dtype=torch.long)])[seq.shape[0] : seq.shape[0] + n]
+            out.append(Draft(truth, from_parents(tuple(range(-1, n)))))
+        return out
+
+
+def test_batched_rows_may_draft_trees_of_different_shapes():
+    base = tiny_model("llama", seed=3)
+    model = MedusaModel.from_pretrained(base, heads=None, tree="cpu-8")
+    ids = torch.randint(3, 90, (3, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[2, :2], ids[2, :2] = 0, 0
+    ref = base.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+    res = model.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0, eos_token_id=None,
+                         drafter=ChainPerRow(ref), return_dict_in_generate=True)
+    assert torch.equal(res.sequences, ref)
+    assert res.stats.mean_accepted > 2.0  # each row accepts its own chain: 1, 2 and 3 drafted tokens a step
+    lookup = model.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0, eos_token_id=None,
+                            prompt_lookup_num_tokens=5)  # the lookup grows each row's tree differently
+    assert torch.equal(lookup, ref)
+
+
+def test_new_heads_fit_the_default_tree_and_adaptive_needs_a_calibration():
+    base = tiny_model("llama")
+    model = MedusaModel.from_pretrained(base, heads=None, num_heads=2)
+    assert model.tree.depth <= 2
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model.generate(ids, max_new_tokens=12), base.generate(ids, max_new_tokens=12, do_sample=False))
+    with pytest.raises(ValueError, match="run medusa-heads calibrate"):
+        model.set_tree("adaptive")
+    with pytest.raises(ValueError, match="needs its measured acceptance"):
+        AdaptiveDrafter(model.heads, Acceptance(EDGES, ((0.5,) * 4,)), FLAT, None, lookup_tokens=4)

@@ -1,0 +1,167 @@
+"""The tree of each step: what a node is worth (calibrated acceptance) and what it costs (a stored verify-time model).
+
+Pure tensor code, no model. `medusa-heads calibrate` measures both and stores them in the heads' config
+(`MedusaConfig.adaptive`); inference/propose.AdaptiveDrafter uses them at every step.
+
+A node's worth is the probability that the target accepts it: the product, along its path, of each head's
+calibrated probability for its token (acceptance of a child given that its parent was accepted). A prefix-closed
+set of nodes then yields 1 + sum of its nodes' worth tokens in expectation, and costs one verify over its size."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """P(a drafted token is accepted | its parent was) from the head's own probability, per depth: isotonic bins."""
+
+    edges: tuple[float, ...]  # B + 1 increasing bin edges over [0, 1]
+    rates: tuple[tuple[float, ...], ...]  # rates[d - 1][b]: acceptance at depth d for head probability in bin b
+
+    def __post_init__(self) -> None:
+        if len(self.edges) < 2 or list(self.edges) != sorted(self.edges) or self.edges[0] != 0.0 or self.edges[-1] != 1.0:
+            raise ValueError(f"acceptance bin edges must rise from 0 to 1, got {self.edges}")
+        if not self.rates or any(len(r) != len(self.edges) - 1 for r in self.rates):
+            raise ValueError(f"acceptance rates need one row per depth and {len(self.edges) - 1} bins each")
+        if any(not 0.0 <= x <= 1.0 for r in self.rates for x in r):
+            raise ValueError("acceptance rates must lie in [0, 1]")
+
+    @property
+    def depth(self) -> int:
+        return len(self.rates)
+
+    def table(self) -> torch.Tensor:
+        """(D, B) float32."""
+        return torch.tensor(self.rates, dtype=torch.float32)
+
+    def __call__(self, depth: int, probs: torch.Tensor) -> torch.Tensor:
+        """probs: (...) head probabilities at depth `depth` (1-based; deeper than measured reads the last row) ->
+        (...) acceptance probabilities."""
+        rates = torch.tensor(self.rates[min(depth, self.depth) - 1], dtype=probs.dtype, device=probs.device)
+        edges = torch.tensor(self.edges[1:-1], dtype=probs.dtype, device=probs.device)
+        return rates[torch.bucketize(probs, edges, right=True)]
+
+    def to_dict(self) -> dict:
+        return {"edges": list(self.edges), "rates": [list(r) for r in self.rates]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Acceptance":
+        return cls(tuple(d["edges"]), tuple(tuple(r) for r in d["rates"]))
+
+
+@dataclass(frozen=True)
+class LookupAcceptance:
+    """P(the j-th token of a prompt-lookup continuation is accepted | the (j-1)-th was), by matched n-gram length."""
+
+    ngrams: tuple[int, ...]  # matched n-gram lengths measured, increasing
+    rates: tuple[tuple[float, ...], ...]  # rates[i][j - 1]: for ngrams[i], depth j (deeper reads the last entry)
+
+    def __post_init__(self) -> None:
+        if not self.ngrams or len(self.rates) != len(self.ngrams) or any(not r for r in self.rates):
+            raise ValueError("lookup acceptance needs one non-empty row of rates per n-gram length")
+        if any(not 0.0 <= x <= 1.0 for r in self.rates for x in r):
+            raise ValueError("lookup acceptance rates must lie in [0, 1]")
+
+    def chain(self, ngram: int, length: int) -> list[float]:
+        """Conditional acceptance of each of `length` continuation tokens found by an n-gram of length `ngram`."""
+        i = max(0, bisect.bisect_right(self.ngrams, ngram) - 1)
+        row = self.rates[i]
+        return [row[min(j, len(row) - 1)] for j in range(length)]
+
+    def to_dict(self) -> dict:
+        return {"ngrams": list(self.ngrams), "rates": [list(r) for r in self.rates]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LookupAcceptance":
+        return cls(tuple(d["ngrams"]), tuple(tuple(r) for r in d["rates"]))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Milliseconds of one step as a function of the tree's size and the cached context, for one set of kernels:
+    the verify forward over n tree tokens (n = 1 is a plain decoding step), interpolated between the measured
+    sizes and context lengths, plus drafting (per head level run) and fixed per-step work."""
+
+    contexts: tuple[int, ...]  # cached tokens measured, increasing
+    sizes: tuple[int, ...]  # tree tokens measured (root included), increasing, starting at 1
+    ms: tuple[tuple[float, ...], ...]  # ms[c][s]: verify over sizes[s] tokens after contexts[c] cached tokens
+    draft_ms: float = 0.0  # one level of drafting (a head over the level's parents)
+    overhead_ms: float = 0.0  # per-step work besides verify and drafting (accept, commit, Python)
+
+    def __post_init__(self) -> None:
+        if not self.contexts or list(self.contexts) != sorted(set(self.contexts)):
+            raise ValueError(f"cost model contexts must increase, got {self.contexts}")
+        if not self.sizes or self.sizes[0] != 1 or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"cost model sizes must increase from 1, got {self.sizes}")
+        if len(self.ms) != len(self.contexts) or any(len(r) != len(self.sizes) for r in self.ms):
+            raise ValueError("cost model needs one row of milliseconds per context, one entry per size")
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def verify_ms(self, context: int) -> torch.Tensor:
+        """(max_size,) verify milliseconds for 1..max_size tree tokens after `context` cached tokens (linear in
+        both; beyond the measured contexts, extrapolated from the last two)."""
+        ms = torch.tensor(self.ms, dtype=torch.float64)  # (C, S)
+        sizes = torch.tensor(self.sizes, dtype=torch.float64)
+        if len(self.contexts) == 1:
+            row = ms[0]
+        else:
+            c = min(max(bisect.bisect_right(self.contexts, context) - 1, 0), len(self.contexts) - 2)
+            c0, c1 = self.contexts[c], self.contexts[c + 1]
+            w = max((context - c0) / (c1 - c0), 0.0) if context > c0 or c == 0 else 0.0
+            row = ms[c] + w * (ms[c + 1] - ms[c])
+        n = torch.arange(1, self.max_size + 1, dtype=torch.float64)
+        return _interp(n, sizes, row).float()
+
+    def to_dict(self) -> dict:
+        return {"contexts": list(self.contexts), "sizes": list(self.sizes), "ms": [list(r) for r in self.ms],
+                "draft_ms": self.draft_ms, "overhead_ms": self.overhead_ms}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(tuple(d["contexts"]), tuple(d["sizes"]), tuple(tuple(r) for r in d["ms"]),
+                   float(d.get("draft_ms", 0.0)), float(d.get("overhead_ms", 0.0)))
+
+
+def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
+    """Piecewise-linear interpolation of (xp, fp) at x, flat beyond the ends."""
+    i = torch.searchsorted(xp, x, right=True).clamp(1, len(xp) - 1)
+    x0, x1, f0, f1 = xp[i - 1], xp[i], fp[i - 1], fp[i]
+    w = ((x - x0) / (x1 - x0).clamp_min(1e-9)).clamp(0, 1)
+    return f0 + w * (f1 - f0)
+
+
+def kernels_key(model: torch.nn.Module, prepacked: bool) -> str:
+    """The cost model a model's verify runs under: "<prepacked|stock>-<dtype>-<device type>"."""
+    param = next(model.parameters())
+    return f"{'prepacked' if prepacked else 'stock'}-{str(param.dtype).removeprefix('torch.')}-{param.device.type}"
+
+
+def best_size(values: torch.Tensor, step_ms: torch.Tensor) -> int:
+    """values: (M,) worth of candidate nodes, best first, each at most its parent's (so any first n is
+    prefix-closed); step_ms: (>= M + 1,) the step's milliseconds with 1..M+1 tree tokens. Returns the n in 0..M
+    whose tree gives the most expected tokens per millisecond (0: a plain step)."""
+    m = min(values.shape[0], step_ms.shape[0] - 1)
+    tau = 1.0 + torch.cat([values.new_zeros(1), values[:m].cumsum(0)])  # (m + 1,)
+    return int((tau / step_ms[: m + 1].to(tau.dtype)).argmax())
+
+
+def isotonic(y: list[float], w: list[float]) -> list[float]:
+    """Non-decreasing least-squares fit of y with weights w (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [value, weight, count]
+    for yi, wi in zip(y, w):
+        blocks.append([yi, wi, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            wt = w1 + w2
+            blocks.append([(v1 * w1 + v2 * w2) / wt if wt > 0 else (v1 + v2) / 2, wt, n1 + n2])
+    out: list[float] = []
+    for v, _, n in blocks:
+        out += [v] * n
+    return out
