@@ -45,7 +45,8 @@ def _acceptance_md(a: dict) -> list[str]:
         "head's top-k (so the parent is in the tree and accepted), labelled by the true token. Fitted on one half of "
         "the held-out conversations (split by prompt), scored on the other; the stored bins are refitted on both.",
         "",
-        f"Stored: **{a['method']}**. Log-loss on the test half: raw {s['raw']['log_loss']:.4f}, isotonic "
+        f"Stored: **{a['method']}** (temperature's log-loss {_relative(s)} isotonic's; isotonic is kept unless the "
+        f"temperature is better by more than 1%). Log-loss on the test half: raw {s['raw']['log_loss']:.4f}, isotonic "
         f"{s['isotonic']['log_loss']:.4f}, temperature {s['temperature']['log_loss']:.4f}; Brier: raw "
         f"{s['raw']['brier']:.4f}, isotonic {s['isotonic']['brier']:.4f}, temperature {s['temperature']['brier']:.4f}.",
         "",
@@ -67,6 +68,11 @@ def _acceptance_md(a: dict) -> list[str]:
     lines += [f"| {r['depth']} | " + " | ".join(f"{x:.3f}" for x in r["isotonic_fit"]) + " |" for r in a["depths"]]
     lines += ["", "![reliability](reliability.png)", ""]
     return lines
+
+
+def _relative(s: dict) -> str:
+    iso, temp = s["isotonic"]["log_loss"], s["temperature"]["log_loss"]
+    return f"{abs(1 - temp / iso):.1%} {'below' if temp < iso else 'above'}"
 
 
 def _lookup_md(d: dict, lookup: LookupAcceptance) -> list[str]:
