@@ -23,7 +23,7 @@ def vllm_drafts(directory, hidden: torch.Tensor) -> torch.Tensor:
     does: x + SiLU(W x + b) per layer (b only with medusa_fc_bias), the LM head (one shared with original_lm_head),
     logits over truncated_vocab_size rows scattered into -inf over the full vocabulary at token_map, argmax."""
     cfg = json.loads((directory / CONFIG_NAME).read_text())
-    state = load_file(directory / VLLM_WEIGHTS)
+    state = {k: t.float() if t.is_floating_point() else t for k, t in load_file(directory / VLLM_WEIGHTS).items()}
     v, rows = cfg["vocab_size"], cfg["truncated_vocab_size"]
     token_map = state.get("token_map") if rows < v else None
     drafts = []
@@ -136,3 +136,37 @@ def test_export_command_refuses_path_heads_and_heads_of_another_base(tmp_path):
     assert check_vllm_export(tmp_path / "o3", base.lm_head.weight)["truncated_vocab_size"] == len(VOCAB)
     hidden = torch.randn(20, 32)
     assert torch.equal(vllm_drafts(tmp_path / "o3", hidden), good.heads.topk(hidden, 1)[..., 0].T)
+
+
+def test_default_heads_path_kinds():
+    from medusa_heads import default_heads_path
+
+    assert default_heads_path().name == "default_heads" and default_heads_path("tree") == default_heads_path()
+    assert default_heads_path("serving").name == "default_heads_serving"
+    with pytest.raises(ValueError, match="heads kind must be one of tree, serving, got 'medusa'"):
+        default_heads_path("medusa")
+
+
+@pytest.mark.real
+def test_shipped_serving_heads_decode_losslessly_and_export_for_vllm(real_base, tmp_path):
+    from medusa_heads import default_heads_path
+    from medusa_heads.checkpoint import load_config
+
+    from conftest import chat_ids
+
+    base, tok = real_base
+    path = default_heads_path("serving")
+    cfg = load_config(path)
+    assert (cfg.condition, cfg.mlp_size, cfg.num_layers, cfg.num_heads, cfg.draft_vocab_size, cfg.own_lm_head) == ("none", 0, 1, 4, 4096, False)
+    model = MedusaModel.from_pretrained(base, heads=path, tree="chain-4")
+    ids = chat_ids(tok, "Translate into French: the cat sleeps on the warm stone by the river.")
+    res = model.generate(ids, max_new_tokens=48, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
+    assert torch.equal(res.sequences, base.generate(ids, max_new_tokens=48, do_sample=False))
+    assert res.stats.mean_accepted > 1.3  # trained: the chain is accepted, not only the target's own token
+    export_vllm(model.heads, base.lm_head.weight, tmp_path)
+    vcfg = check_vllm_export(tmp_path, base.lm_head.weight)
+    assert (vcfg["truncated_vocab_size"], vcfg["medusa_fc_bias"], vcfg["original_lm_head"]) == (4096, True, True)
+    hidden = base.model(ids).last_hidden_state[0].detach()  # (L, H): the states vLLM hands its drafter
+    drafts = vllm_drafts(tmp_path, hidden)
+    assert set(drafts.unique().tolist()) <= set(cfg.draft_vocab)
+    assert (drafts == model.heads.topk(hidden, 1)[..., 0].T).float().mean() > 0.98  # bf16 rounding may flip near-ties
