@@ -105,7 +105,7 @@ class CostModel:
 
     def verify_ms(self, context: int) -> torch.Tensor:
         """(max_size,) verify milliseconds for 1..max_size tree tokens after `context` cached tokens (linear in
-        both; beyond the measured contexts, extrapolated from the last two)."""
+        both; beyond the measured contexts, extrapolated from the last two; non-decreasing in size)."""
         ms = torch.tensor(self.ms, dtype=torch.float64)  # (C, S)
         sizes = torch.tensor(self.sizes, dtype=torch.float64)
         if len(self.contexts) == 1:
@@ -116,7 +116,7 @@ class CostModel:
             w = max((context - c0) / (c1 - c0), 0.0) if context > c0 or c == 0 else 0.0
             row = ms[c] + w * (ms[c + 1] - ms[c])
         n = torch.arange(1, self.max_size + 1, dtype=torch.float64)
-        return _interp(n, sizes, row).float()
+        return _interp(n, sizes, row).cummax(0).values.float()  # a larger tree never costs less (timing noise aside)
 
     def to_dict(self) -> dict:
         return {"contexts": list(self.contexts), "sizes": list(self.sizes), "ms": [list(r) for r in self.ms],
