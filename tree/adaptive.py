@@ -105,7 +105,7 @@ class CostModel:
 
     def verify_ms(self, context: int) -> torch.Tensor:
         """(max_size,) verify milliseconds for 1..max_size tree tokens after `context` cached tokens (linear in
-        both; beyond the measured contexts, extrapolated from the last two; non-decreasing in size)."""
+        both; beyond the measured contexts, extrapolated from the last two; trees: a line fitted over sizes >= 2)."""
         ms = torch.tensor(self.ms, dtype=torch.float64)  # (C, S)
         sizes = torch.tensor(self.sizes, dtype=torch.float64)
         if len(self.contexts) == 1:
@@ -116,7 +116,14 @@ class CostModel:
             w = max((context - c0) / (c1 - c0), 0.0) if context > c0 or c == 0 else 0.0
             row = ms[c] + w * (ms[c + 1] - ms[c])
         n = torch.arange(1, self.max_size + 1, dtype=torch.float64)
-        return _interp(n, sizes, row).cummax(0).values.float()  # a larger tree never costs less (timing noise aside)
+        if len(self.sizes) < 3:
+            return _interp(n, sizes, row).cummax(0).values.float()
+        # Timings of single sizes are noisy (+-10%), and noise that makes some large trees look free biases the
+        # choice towards them: a least-squares line through the tree sizes (>= 2), never below a plain step.
+        x, y = sizes[1:], row[1:]
+        slope = (((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()).clamp_min(0.0)
+        fit = y.mean() + slope * (n - x.mean())
+        return torch.cat([row[:1], fit[1:].clamp_min(float(row[0]))]).float()
 
     def to_dict(self) -> dict:
         return {"contexts": list(self.contexts), "sizes": list(self.sizes), "ms": [list(r) for r in self.ms],
