@@ -71,7 +71,8 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         trees = {"medusa": configured, "medusa-static": fixed, "medusa-preset": preset}
         model.set_tree(trees[name] if name in trees else name.split(":", 1)[1])
         extra = dict(prompt_lookup_num_tokens=int(lookup or 10)) if with_lookup else {}
-        res = model.generate(ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **gen, **extra)
+        res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             return_dict_in_generate=True, **gen, **extra)
         return res.sequences, res.stats
 
     warm = chat_input_ids(tokenizer, [{"role": "user", "content": "Hello"}]).to(device)

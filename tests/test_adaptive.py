@@ -47,8 +47,8 @@ def test_the_cost_model_interpolates_sizes_and_contexts():
     assert cost.verify_ms(0)[0] == pytest.approx(10)  # below the measured contexts: the first row
     assert cost.verify_ms(1792)[0] == pytest.approx(30)  # above: extrapolated
     assert CostModel.from_dict(cost.to_dict()) == cost
-    noisy = CostModel(contexts=(0,), sizes=(1, 2, 3), ms=((10.0, 14.0, 12.0),))
-    assert noisy.verify_ms(0).tolist() == pytest.approx([10, 14, 14])  # a larger tree never costs less
+    noisy = CostModel(contexts=(0,), sizes=(1, 2, 3, 4), ms=((10.0, 14.0, 12.0, 16.0),))
+    assert noisy.verify_ms(0).tolist() == pytest.approx([10, 13, 14, 15])  # a line through the trees: none looks free
     with pytest.raises(ValueError, match="sizes must increase from 1"):
         CostModel(contexts=(1,), sizes=(2, 4), ms=((1.0, 2.0),))
     with pytest.raises(ValueError, match="rise from 0 to 1"):
