@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList
 
-from ..tree.buffers import TreeBuffers
-from .sampling import sample, target_probs
+from medusa_heads.tree.buffers import TreeBuffers
+from medusa_heads.inference.sampling import sample, target_probs
 
 
 def longest_path(match: torch.Tensor, buffers: TreeBuffers) -> tuple[int, int]:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ..heads import MedusaHeads
-from ..tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size
-from ..tree.buffers import TreeBuffers, from_parents
-from .propose import Draft, lookup_match
+from medusa_heads.heads import MedusaHeads
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size
+from medusa_heads.tree.buffers import TreeBuffers, from_parents
+from medusa_heads.inference.propose import Draft, lookup_match
 
 PRIOR = 4.0  # pseudo-observations behind the stored calibration, before a call's own acceptance corrects it
 

@@ -10,12 +10,12 @@ import time
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from ..tree.buffers import TreeBuffers
-from .cache import keep_accepted, new_cache
-from .decode import AcceptRule, DecodeState, DecodeStats, emit
-from .propose import Draft, Drafter
-from .sampling import process_tree
-from .verify import Target
+from medusa_heads.tree.buffers import TreeBuffers
+from medusa_heads.inference.cache import keep_accepted, new_cache
+from medusa_heads.inference.decode import AcceptRule, DecodeState, DecodeStats, emit
+from medusa_heads.inference.propose import Draft, Drafter
+from medusa_heads.inference.sampling import process_tree
+from medusa_heads.inference.verify import Target
 
 
 @torch.no_grad()

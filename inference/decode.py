@@ -8,11 +8,11 @@ from typing import Protocol
 
 import torch
 
-from ..tree.buffers import TreeBuffers
-from .cache import keep_accepted, new_cache
-from .propose import Drafter
-from .sampling import process_tree
-from .verify import Target
+from medusa_heads.tree.buffers import TreeBuffers
+from medusa_heads.inference.cache import keep_accepted, new_cache
+from medusa_heads.inference.propose import Drafter
+from medusa_heads.inference.sampling import process_tree
+from medusa_heads.inference.verify import Target
 
 class AcceptRule(Protocol):
     def first(self, logits: torch.Tensor) -> int:

@@ -7,8 +7,8 @@ import torch
 
 from einops import rearrange
 
-from ..heads import MedusaHeads
-from ..tree.buffers import TreeBuffers, with_chain
+from medusa_heads.heads import MedusaHeads
+from medusa_heads.tree.buffers import TreeBuffers, with_chain
 
 
 class Draft(NamedTuple):

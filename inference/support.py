@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ..tree.buffers import build_buffers
-from ..tree.spec import TreeSpec
-from .cache import keep_accepted, new_cache
-from .verify import Target
+from medusa_heads.tree.buffers import build_buffers
+from medusa_heads.tree.spec import TreeSpec
+from medusa_heads.inference.cache import keep_accepted, new_cache
+from medusa_heads.inference.verify import Target
 
 _UNSUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ..tree.buffers import TreeBuffers
-from .tap import LMHeadTap
+from medusa_heads.tree.buffers import TreeBuffers
+from medusa_heads.inference.tap import LMHeadTap
 
 
 @dataclass

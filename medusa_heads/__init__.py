@@ -1,8 +1,8 @@
 """medusa-heads: lossless Medusa-style speculative decoding for HuggingFace causal LMs."""
-from .config import MedusaConfig
-from .heads import MedusaHeads, ResBlock
-from .model import MedusaGenerateOutput, MedusaModel
-from .models import DEFAULT_MODEL, default_heads_path, default_model_path
+from medusa_heads.config import MedusaConfig
+from medusa_heads.heads import MedusaHeads, ResBlock
+from medusa_heads.model import MedusaGenerateOutput, MedusaModel
+from medusa_heads.default_model import DEFAULT_MODEL, default_heads_path, default_model_path
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from .config import MedusaConfig
-from .heads import MedusaHeads
+from medusa_heads.config import MedusaConfig
+from medusa_heads.heads import MedusaHeads
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "heads.safetensors"
@@ -31,8 +31,10 @@ def base_fingerprint(base: PreTrainedModel) -> dict:
     }
 
 
-def check_fingerprint(config: MedusaConfig, base: PreTrainedModel, allow_mismatch: bool = False) -> None:
-    """Refuse heads trained for another base (sizes always; architecture and LM-head hash unless allowed)."""
+def check_fingerprint(config: MedusaConfig, base: PreTrainedModel, allow_mismatch: bool = False,
+                      fingerprint: dict | None = None) -> None:
+    """Refuse heads trained for another base (sizes always; architecture and LM-head hash unless allowed).
+    fingerprint: base_fingerprint(base), if the caller has it already (it hashes the whole LM head)."""
     weight = base.get_output_embeddings().weight
     if (config.vocab_size, config.hidden_size) != tuple(weight.shape):
         raise ValueError(
@@ -41,12 +43,12 @@ def check_fingerprint(config: MedusaConfig, base: PreTrainedModel, allow_mismatc
         )
     if config.base_fingerprint is None or allow_mismatch:
         return
-    have = base_fingerprint(base)
+    have = fingerprint or base_fingerprint(base)
     for key in ("architecture", "lm_head_sha256"):
         if config.base_fingerprint.get(key) != have[key]:
             raise ValueError(
                 f"these heads were trained for another base model ({key}: heads {config.base_fingerprint.get(key)!r}, "
-                f"base {have[key]!r}); pass allow_base_mismatch=True to use them anyway"
+                f"base {have[key]!r}); pass allow_base_mismatch=True (--allow-base-mismatch) to use them anyway"
             )
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MedusaConfig
+from medusa_heads.config import MedusaConfig
 
 
 class ResBlock(nn.Module):

@@ -9,25 +9,27 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
-from .checkpoint import (
+from medusa_heads.checkpoint import (
     base_fingerprint, check_fingerprint, is_reference_dir, load_config, load_heads, load_reference, save_heads,
 )
-from .config import MedusaConfig
-from .heads import MedusaHeads
-from .inference.accept import TargetChoice, TypicalAcceptance
-from .inference.adaptive import AdaptiveDrafter
-from .inference.batch import decode_batch
-from .inference.decode import DecodeStats, decode
-from .inference.propose import Drafter, HeadsDrafter, LookupDrafter
-from .inference.sampling import build_processors, build_warpers
-from .inference.prepack import is_prepacked, prepack_heads, prepack_linears, prepack_supported
-from .inference.support import check_tree_attention
-from .inference.verify import Target
-from .models import DEFAULT_MODEL, default_heads_path, resolve_model
-from .tree import TreeSpec, build_buffers, load_tree
-from .tree.adaptive import Acceptance, CostModel, LookupAcceptance, kernels_key
+from medusa_heads.config import MedusaConfig
+from medusa_heads.heads import MedusaHeads
+from medusa_heads.inference.accept import TargetChoice, TypicalAcceptance
+from medusa_heads.inference.adaptive import AdaptiveDrafter
+from medusa_heads.inference.batch import decode_batch
+from medusa_heads.inference.decode import DecodeStats, decode
+from medusa_heads.inference.propose import Drafter, HeadsDrafter, LookupDrafter
+from medusa_heads.inference.sampling import build_processors, build_warpers
+from medusa_heads.inference.prepack import is_prepacked, prepack_heads, prepack_linears, prepack_supported
+from medusa_heads.inference.support import check_tree_attention
+from medusa_heads.inference.verify import Target
+from medusa_heads.default_model import DEFAULT_MODEL, default_heads_path
+from medusa_heads import prompting
+from medusa_heads.loading import load_base
+from medusa_heads.tree import TreeSpec, build_buffers, load_tree
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, kernels_key
 
 ADAPTIVE = "adaptive"  # tree= for a tree chosen at every step
 
@@ -55,8 +57,11 @@ class MedusaModel(nn.Module):
         self.heads = heads
         self.config = heads.config
         self.target = Target(base_model)
-        self.set_tree(tree if tree is not None and tree != ADAPTIVE else self._default_tree())  # the fixed tree
-        if tree == ADAPTIVE or (tree is None and self.cost_model() is not None):
+        check_tree_attention(self.target)
+        self._adaptive_parts = None  # (kernels key, parsed config.adaptive) for the kernels last asked about
+        adaptive = tree == ADAPTIVE or (tree is None and self.cost_model() is not None)
+        self.set_tree(self._default_tree() if tree is None or tree == ADAPTIVE else tree)  # the fixed tree
+        if adaptive:
             self.set_tree(ADAPTIVE)
 
     def _default_tree(self) -> TreeSpec:
@@ -64,11 +69,24 @@ class MedusaModel(nn.Module):
         spec = load_tree(self.config.tree)
         return TreeSpec.from_paths([p for p in spec.paths if len(p) <= self.config.num_heads])
 
+    def _adaptive_config(self) -> tuple | None:
+        """(acceptance, lookup table, cost model) stored for the kernels this model's verify runs on now, parsed
+        once per kernels (stock_kernels() switches them); None if the heads were not calibrated for them."""
+        key = kernels_key(self.base_model, is_prepacked(self.base_model))
+        if self._adaptive_parts is None or self._adaptive_parts[0] != key:
+            stored = self.config.adaptive or {}
+            entry = stored.get("cost", {}).get(key)
+            parts = None
+            if entry and "acceptance" in stored:
+                lookup = LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None
+                parts = (Acceptance.from_dict(stored["acceptance"]), lookup, CostModel.from_dict(entry))
+            self._adaptive_parts = (key, parts)
+        return self._adaptive_parts[1]
+
     def cost_model(self) -> CostModel | None:
         """The stored cost model for the kernels this model's verify runs on, if the heads were calibrated for them."""
-        adaptive = self.config.adaptive or {}
-        entry = adaptive.get("cost", {}).get(kernels_key(self.base_model, is_prepacked(self.base_model)))
-        return CostModel.from_dict(entry) if entry and "acceptance" in adaptive else None
+        parts = self._adaptive_config()
+        return parts[2] if parts else None
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -100,23 +118,25 @@ class MedusaModel(nn.Module):
         (drafting is a few rows per level, where the stock kernels are slowest); new heads (heads=None) are not.
         Default (None): on when this call loads the base itself onto the CPU, off for a model passed in."""
         if not isinstance(base, PreTrainedModel):
-            base_kwargs.setdefault("dtype", torch.float32)
-            base = AutoModelForCausalLM.from_pretrained(resolve_model(str(base)), **base_kwargs)
+            base = load_base(base, prepack=False, **base_kwargs)  # packed below, after an adapter is merged
             if prepack is None:
                 prepack = base.device.type == "cpu" and prepack_supported()
-        if heads not in ("auto", None) and (Path(heads) / "adapter" / "adapter_config.json").is_file():
+        fingerprint = base_fingerprint(base)  # hashes the whole LM head: once per load
+        config = None
+        if heads == "auto":  # the shipped heads when they were trained for this very base, else new heads
+            heads, config = _shipped_heads_for(base, fingerprint)
+        elif heads is not None and not is_reference_dir(heads):
+            config = load_config(heads)
+            check_fingerprint(config, base, allow_base_mismatch, fingerprint)
+        if config is not None and (Path(heads) / "adapter" / "adapter_config.json").is_file():
             base = _merge_adapter(base, Path(heads))
         base.eval()
         base.requires_grad_(False)
         if prepack:
             prepack_linears(base)
-        target = Target(base)
-        check_tree_attention(target)
-        lm_weight = target.lm_head.weight
+        lm_weight = base.get_output_embeddings().weight
         embed_weight = base.get_input_embeddings().weight
 
-        if heads == "auto":  # the shipped heads when they were trained for this very base, else new heads
-            heads = _shipped_heads_for(base)
         if heads is None:
             config = MedusaConfig(
                 num_heads=num_heads,
@@ -127,14 +147,12 @@ class MedusaModel(nn.Module):
                 own_lm_head=own_lm_head,
                 condition=condition,
                 draft_vocab=list(draft_vocab) if draft_vocab is not None else None,
-                base_fingerprint=base_fingerprint(base),
+                base_fingerprint=fingerprint,
             )
             medusa_heads = MedusaHeads(config, lm_weight, embed_weight)
-        elif is_reference_dir(heads):  # saved by the reference Medusa code
+        elif config is None:  # saved by the reference Medusa code
             medusa_heads = load_reference(heads, lm_weight)
         else:
-            config = load_config(heads)
-            check_fingerprint(config, base, allow_base_mismatch)
             medusa_heads = load_heads(heads, lm_weight, config, embed_weight)
         medusa_heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
         if prepack and heads is not None:  # trained heads draft through oneDNN too (new heads are for training)
@@ -148,9 +166,8 @@ class MedusaModel(nn.Module):
 
     def _adaptive_drafter(self, lookup: int, ngram: int) -> AdaptiveDrafter:
         """A drafter for one call (it learns from the call's own acceptance)."""
-        stored = self.config.adaptive
-        table = LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None
-        return AdaptiveDrafter(self.heads, Acceptance.from_dict(stored["acceptance"]), self.cost_model(), table, lookup,
+        acceptance, table, cost = self._adaptive_config()
+        return AdaptiveDrafter(self.heads, acceptance, cost, table, lookup,
                                max_ngram=ngram, min_ngram=min(ngram, table.ngrams[0]) if table is not None else 1)
 
     def set_tree(self, tree: str | Sequence[Sequence[int]] | TreeSpec) -> None:
@@ -172,7 +189,9 @@ class MedusaModel(nn.Module):
         self.tree_buffers = build_buffers(spec).to(self.base_model.device)
 
     # ---- generation ---------------------------------------------------------------------------------------------
-    def _generation_config(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+    def generation_config_for(self, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
+        """The settings generate() would run with for these arguments: the base model's generation config (or the one
+        given) updated by kwargs, transformers' defaults for what is unset. Raises for what generate() cannot honour."""
         gc = copy.deepcopy(generation_config or self.base_model.generation_config)
         unused = gc.update(**kwargs)
         if unused:
@@ -215,12 +234,12 @@ class MedusaModel(nn.Module):
         output is unchanged, only tau. Unset, it is the heads' config.lookup_tokens (unbatched generation only).
         With tree "adaptive" (the default for calibrated heads) each unbatched step chooses its own tree, lookup
         included; batches draft the fixed tree."""
-        gc = self._generation_config(generation_config, kwargs)
+        gc = self.generation_config_for(generation_config, **kwargs)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty: give at least one prompt token")
-        eos_ids = [] if gc.eos_token_id is None else [gc.eos_token_id] if isinstance(gc.eos_token_id, int) else list(gc.eos_token_id)
+        eos_ids = prompting.eos_ids(gc.eos_token_id)
         if attention_mask is None:  # as transformers infers it: padding is wherever pad_token_id sits, if not EOS
             pad = gc.pad_token_id
             if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
@@ -284,24 +303,25 @@ def _unset(value) -> bool:
 
 
 def _merge_adapter(base: PreTrainedModel, heads: Path) -> PreTrainedModel:
-    """Heads trained jointly with LoRA (Medusa-2) come with their adapter: merge it into `base` (in place), after
-    checking that the heads were trained for this base. Generation is then exact for the ADAPTED model."""
+    """Heads trained jointly with LoRA (Medusa-2) come with their adapter: merge it into `base` (in place; the
+    caller checked that the heads were trained for this base). Generation is then exact for the ADAPTED model."""
     from peft import PeftModel
 
-    check_fingerprint(load_config(heads), base)
     if is_prepacked(base):
         raise ValueError(f"{heads} holds a LoRA adapter, which cannot be merged into a base whose linears are already "
                          "prepacked: pass the unpacked base and from_pretrained(..., prepack=True), which merges first")
     return PeftModel.from_pretrained(base, heads / "adapter").merge_and_unload()
 
 
-def _shipped_heads_for(base: PreTrainedModel) -> Path | None:
+def _shipped_heads_for(base: PreTrainedModel, fingerprint: dict) -> tuple[Path | None, MedusaConfig | None]:
+    """The shipped heads and their config when they were trained for this base, else (None, None)."""
     try:
         path = default_heads_path()
     except FileNotFoundError:
-        return None
+        return None, None
+    config = load_config(path)
     try:
-        check_fingerprint(load_config(path), base)
+        check_fingerprint(config, base, fingerprint=fingerprint)
     except ValueError:
-        return None
-    return path
+        return None, None
+    return path, config

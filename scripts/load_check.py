@@ -18,7 +18,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path
-from medusa_heads.training.data import chat_input_ids, read_prompts
+from medusa_heads.prompting import prompt_ids
+from medusa_heads.training.data import read_prompts
 
 
 def peak_rss_mb() -> float:
@@ -50,7 +51,7 @@ def main() -> None:
 
     model = MedusaModel.from_pretrained("smollm2-135m-instruct", prepack=True)  # shipped heads, prompt lookup on
     tok = AutoTokenizer.from_pretrained(default_model_path())
-    prompts = [chat_input_ids(tok, [{"role": "user", "content": r.turns[0]}]) for r in read_prompts(args.prompts)]
+    prompts = [prompt_ids(tok, r.turns[0]) for r in read_prompts(args.prompts)]
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     methods = {
         "hf": lambda ids: model.base_model.generate(ids, attention_mask=torch.ones_like(ids), **gen),

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path
-from medusa_heads.training.data import chat_input_ids
+from medusa_heads.prompting import prompt_ids
 
 PROMPT = "Write a very long story about a lighthouse keeper and the sea, with many chapters."
 
@@ -22,7 +22,7 @@ if __name__ == "__main__":
     method, out = sys.argv[1], sys.argv[2]
     torch.set_num_threads(2)
     model = MedusaModel.from_pretrained("smollm2-135m-instruct")  # shipped heads; prepacked kernels for both methods
-    ids = chat_input_ids(AutoTokenizer.from_pretrained(default_model_path()), [{"role": "user", "content": PROMPT}])
+    ids = prompt_ids(AutoTokenizer.from_pretrained(default_model_path()), PROMPT)
     mask = torch.ones_like(ids)  # the chat prompt holds the pad token: with eos_token_id=None it must not be inferred
     t = time.perf_counter()
     if method == "hf":

@@ -11,7 +11,7 @@ import json
 import random
 
 from medusa_heads.training.data import read_prompts, subsample
-from medusa_heads.training.trainer import is_eval
+from medusa_heads.training.data import is_eval
 
 CATEGORY = {
     "gsm8k-train": "math", "mbpp-train": "code", "tico19-translation": "translation",

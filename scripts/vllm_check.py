@@ -45,7 +45,7 @@ def run_ours(args: argparse.Namespace) -> None:
     import torch
 
     from medusa_heads import MedusaModel, default_model_path
-    from medusa_heads.training.data import chat_input_ids
+    from medusa_heads.prompting import prompt_ids
     from transformers import AutoTokenizer
 
     torch.set_num_threads(2)
@@ -54,7 +54,7 @@ def run_ours(args: argparse.Namespace) -> None:
     model = MedusaModel.from_pretrained(path, heads=args.heads, tree="chain-4")
     rows, tokens, steps = [], 0, 0
     for p in prompts(args.n):
-        ids = chat_input_ids(tok, [{"role": "user", "content": p}])
+        ids = prompt_ids(tok, p)
         res = model.generate(ids, max_new_tokens=args.max_tokens, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
         per_step = res.stats.tokens_per_step[1:]  # verify steps; [0] is the prefill, which vLLM does not count either
         tokens, steps = tokens + sum(per_step), steps + len(per_step)

@@ -49,6 +49,6 @@ def real_base():
 
 
 def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
-    from medusa_heads.training.data import chat_input_ids
+    from medusa_heads.prompting import prompt_ids
 
-    return chat_input_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return prompt_ids(tokenizer, prompt)

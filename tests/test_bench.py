@@ -5,11 +5,11 @@ import json
 
 
 from medusa_heads import MedusaModel
-from medusa_heads.bench import run_bench, write_results
+from medusa_heads.cli.bench import run_bench, write_results
 from medusa_heads.training.data import PromptRow
 from medusa_heads.tree.calibrate import rank_paths
 from medusa_heads.tree import load_tree
-from medusa_heads.tuning import choose_tree, draft_latency, verify_latency
+from medusa_heads.calibration.measure import choose_tree, draft_latency, verify_latency
 
 from conftest import randomize_heads, tiny_model
 
@@ -64,7 +64,7 @@ def test_chat_cli_streams_replies_and_reports_tau(monkeypatch, capsys, real_base
 
 
 def test_batch_bench_writes_tables_and_rows_match(tmp_path, real_base):
-    from medusa_heads.bench import run_batch_bench, write_batch_results
+    from medusa_heads.cli.bench import run_batch_bench, write_batch_results
 
     _, tok = real_base
     base = tiny_model("llama", seed=2, vocab_size=len(tok))

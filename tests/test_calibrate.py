@@ -11,7 +11,7 @@ from medusa_heads.config import MedusaConfig
 from medusa_heads.inference.propose import lookup, lookup_match
 from medusa_heads.training.features import Segment
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, isotonic
-from medusa_heads.tuning import (
+from medusa_heads.calibration.measure import (
     ACCEPT_EDGES, TEMPERATURES, CandidateSamples, answer_spans, calibrate_acceptance, candidate_samples, correct_ranks,
     fit_isotonic, fit_temperature, lookup_acceptance, measure_cost, merge_adaptive,
 )
@@ -188,7 +188,7 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     from medusa_heads.cli import main
     from medusa_heads.inference.prepack import prepack_supported
     from medusa_heads.training.features import features_from_conversations
-    from medusa_heads.tuning import second_half
+    from medusa_heads.calibration.measure import second_half
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
     base = tiny_model("llama", vocab_size=len(tok))

@@ -163,7 +163,7 @@ def test_prompt_file_errors_name_the_line(tmp_path):
 def test_a_second_answer_per_prompt_gets_its_own_id_and_the_prompts_side_of_the_split(tmp_path):
     from medusa_heads.cli import main
     from medusa_heads.training.data import as_variant
-    from medusa_heads.training.trainer import is_eval
+    from medusa_heads.training.data import is_eval
 
     p = tmp_path / "p.jsonl"
     p.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(400)))

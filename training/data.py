@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import torch
 
 
 @dataclass
@@ -123,37 +123,12 @@ def append_conversations(path: str | os.PathLike, rows: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
-# ---- tokenisation ---------------------------------------------------------------------------------------------------
-
-def chat_input_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
-    """(1, L) chat-template tokens of `messages`, ending with the assistant's generation prompt."""
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    return enc["input_ids"]
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chat-template tokens (L,) and a loss mask (L,) that is True on assistant tokens only (their answers,
-    including the end-of-turn token), cut to max_length."""
-    ids: list[int] = []
-    mask: list[bool] = []
-    for i, msg in enumerate(messages):
-        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=msg["role"] == "assistant") if i else []
-        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
-        prefix, full = _ids(prefix), _ids(full)
-        if full[: len(ids)] != ids:
-            raise ValueError("the chat template does not extend turn by turn; cannot build loss masks")
-        start = len(prefix) if msg["role"] == "assistant" else len(ids)
-        mask += [False] * (start - len(ids)) + [msg["role"] == "assistant"] * (len(full) - start)
-        ids = full
-    return torch.tensor(ids[:max_length]), torch.tensor(mask[:max_length])
-
-
-def _ids(x) -> list[int]:
-    if isinstance(x, dict) or hasattr(x, "input_ids"):
-        x = x["input_ids"]
-    return list(x)
-
-
 def batches(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+def is_eval(conv_id: str, fraction: float) -> bool:
+    """Held out or not, decided by the prompt: every answer to a prompt (its variants "<id>~<name>") falls on
+    the same side, so a second answer never leaks a held-out prompt into training."""
+    return zlib.crc32(prompt_id(conv_id).encode()) % 10_000 < fraction * 10_000

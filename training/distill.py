@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .data import PromptRow, append_conversations, batches, read_conversations
-from ..inference.cache import new_cache
-from ..inference.tap import LMHeadTap
-from ..inference.verify import target_cache_kw
-from .features import Segment, next_shard_path, write_shard
+from medusa_heads.prompting import eos_ids, has_chat_template, prompt_text
+from medusa_heads.training.data import PromptRow, append_conversations, batches, read_conversations
+from medusa_heads.inference.cache import new_cache
+from medusa_heads.inference.tap import LMHeadTap
+from medusa_heads.inference.verify import target_cache_kw
+from medusa_heads.training.features import Segment, next_shard_path, write_shard
 
 
 @torch.no_grad()
@@ -52,7 +53,8 @@ def distill(
     window = 16 * batch_size
     todo = [r for i in range(0, len(todo), window) for r in sorted(todo[i : i + window], key=lambda r: len(r.turns[0]))]
     bar = tqdm(total=len(todo), desc="distill", unit="prompt")
-    eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
+    special = not has_chat_template(tokenizer)  # a template writes its own BOS; plain text needs the tokenizer's
+    eos = set(eos_ids(tokenizer, model.generation_config))
     for group in batches(todo, 1 if medusa is not None else batch_size):
         convs = [[] for _ in group]
         segments: list[Segment] = []
@@ -61,8 +63,8 @@ def distill(
             alive = [i for i in alive if turn < len(group[i].turns)]
             for i in alive:
                 convs[i].append({"role": "user", "content": group[i].turns[turn]})
-            texts = [tokenizer.apply_chat_template(convs[i], tokenize=False, add_generation_prompt=True) for i in alive]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            texts = [prompt_text(tokenizer, convs[i]) for i in alive]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=special)
             too_long = [i for i, n in zip(alive, enc["attention_mask"].sum(1).tolist()) if n > max_prompt_tokens]
             if too_long:
                 counts["skipped_too_long"] += len(too_long)
@@ -71,8 +73,8 @@ def distill(
                     convs[i] = []
                 if not alive:
                     break
-                texts = [tokenizer.apply_chat_template(convs[i], tokenize=False, add_generation_prompt=True) for i in alive]
-                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+                texts = [prompt_text(tokenizer, convs[i]) for i in alive]
+                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=special)
             torch.manual_seed(seed + zlib.crc32(group[alive[0]].id.encode()))  # same draws on a rerun
             with LMHeadTap(model, last_only=True) as tap:
                 if medusa is not None:
@@ -102,6 +104,3 @@ def distill(
     bar.close()
     return counts
 
-
-def _as_list(x) -> list[int]:
-    return [] if x is None else [x] if isinstance(x, int) else list(x)

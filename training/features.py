@@ -104,13 +104,13 @@ def features_from_conversations(model, tokenizer, conversations: list[dict], fol
     forward per conversation over its chat-template tokens. Returns the number of conversations added."""
     from tqdm import tqdm
 
-    from .data import tokenize_conversation
+    from medusa_heads.prompting import conversation_ids
 
     have = {s.conv_id for s in load_segments(folder)}
     todo = [c for c in conversations if c["id"] not in have]
     segments: list[Segment] = []
     for conv in tqdm(todo, desc="features", unit="conv"):
-        ids, mask = tokenize_conversation(tokenizer, conv["messages"], max_length)
+        ids, mask = conversation_ids(tokenizer, conv["messages"], max_length)
         # the backbone's last hidden state is what every transformers causal LM feeds its LM head
         hidden = model.base_model(ids[None].to(model.device)).last_hidden_state[0]  # (L, H): hidden[p] -> token p + 1
         finished = [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]
@@ -121,3 +121,11 @@ def features_from_conversations(model, tokenizer, conversations: list[dict], fol
             segments = []
     write_shard(next_shard_path(folder), segments)
     return len(todo)
+
+
+def segment_context(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """(n,) -> (n, width): row i is tokens[i : i + width], the root (the target's own token from hidden[i]) and
+    the true path after it, repeating the last token past the end (where no head has a target left)."""
+    n = tokens.shape[0]
+    idx = (torch.arange(n)[:, None] + torch.arange(width)[None]).clamp(max=n - 1)
+    return tokens[idx]

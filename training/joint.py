@@ -19,14 +19,15 @@ from accelerate.utils import extract_model_from_parallel
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from ..checkpoint import base_fingerprint, save_heads
-from ..heads import MedusaHeads
-from ..inference.tap import LMHeadTap
-from .data import read_conversations, tokenize_conversation
-from .features import Segment, answer_segments
-from .loss import IGNORE, medusa_loss
-from .recipe import TrainRecipe
-from .trainer import OOV, build_split, choose_draft_vocab, draft_index, evaluate, is_eval, load_checkpoint, plot_log, prepare_output, save_checkpoint
+from medusa_heads.checkpoint import base_fingerprint, save_heads
+from medusa_heads.heads import MedusaHeads
+from medusa_heads.inference.tap import LMHeadTap
+from medusa_heads.prompting import conversation_ids
+from medusa_heads.training.data import is_eval, read_conversations
+from medusa_heads.training.features import Segment, answer_segments
+from medusa_heads.training.loss import IGNORE, medusa_loss
+from medusa_heads.training.recipe import TrainRecipe
+from medusa_heads.training.trainer import OOV, build_split, choose_draft_vocab, draft_index, evaluate, load_checkpoint, plot_log, prepare_output, save_checkpoint
 
 ADAPTER_DIR = "adapter"
 
@@ -97,7 +98,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
-    from ..models import resolve_model
+    from medusa_heads.default_model import resolve_model
 
     out, ckpt = prepare_output(recipe, resume)
     accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum)
@@ -113,7 +114,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     seqs, cut = [], []
     eos = tokenizer.eos_token_id
     for conv in read_conversations(recipe.data):
-        ids, mask = tokenize_conversation(tokenizer, conv["messages"], recipe.max_length)
+        ids, mask = conversation_ids(tokenizer, conv["messages"], recipe.max_length)
         finished = [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]
         (seqs if mask[1:].any() else cut).append(Seq(conv["id"], ids, mask, finished))
     if cut:  # said, not silently dropped
@@ -125,7 +126,7 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     eval_seqs = [s for s in seqs if is_eval(s.id, recipe.eval_fraction)]
     torch.manual_seed(recipe.seed)
     if recipe.init_heads:  # stage 2 of Medusa-2: heads trained on the frozen target first
-        from ..checkpoint import check_fingerprint, load_config, load_heads
+        from medusa_heads.checkpoint import check_fingerprint, load_config, load_heads
 
         config = load_config(recipe.init_heads)
         check_fingerprint(config, base)

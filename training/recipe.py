@@ -49,7 +49,7 @@ class TrainRecipe:
     init_heads: str = ""  # joint training: start from these trained heads (Medusa-2's two stages); "" = new heads
 
     def __post_init__(self) -> None:
-        from ..config import CONDITIONS
+        from medusa_heads.config import CONDITIONS
 
         if self.condition not in CONDITIONS:
             raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}, got {self.condition!r}")
@@ -72,7 +72,7 @@ class TrainRecipe:
     def heads_config(self, vocab_size: int, hidden_size: int, vocab: list[int], fingerprint: dict):
         """The MedusaConfig of the heads this recipe trains over a base of that shape: the recipe's head fields,
         the draft vocabulary `vocab` (None when it is the whole vocabulary) and the base's fingerprint."""
-        from ..config import MedusaConfig
+        from medusa_heads.config import MedusaConfig
 
         return MedusaConfig(
             num_heads=self.num_heads, num_layers=self.num_layers, mlp_size=self.mlp_size, condition=self.condition,

@@ -6,7 +6,6 @@ import math
 import os
 import shutil
 import time
-import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,12 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..checkpoint import base_fingerprint, save_heads
-from ..heads import MedusaHeads
-from .data import prompt_id, read_conversations
-from .features import Segment, load_segments
-from .loss import IGNORE, SoftTargets, medusa_loss, teacher_topk, topk_hits
-from .recipe import TrainRecipe
+from medusa_heads.checkpoint import base_fingerprint, save_heads
+from medusa_heads.heads import MedusaHeads
+from medusa_heads.training.data import is_eval, read_conversations
+from medusa_heads.training.features import Segment, load_segments, segment_context
+from medusa_heads.training.loss import IGNORE, SoftTargets, medusa_loss, teacher_topk, topk_hits
+from medusa_heads.training.recipe import TrainRecipe
 
 OOV = -1  # a real target token outside the draft vocabulary: never predictable, counted as a miss
 
@@ -30,12 +29,6 @@ class Split:
     hidden: torch.Tensor  # (N, H) bf16
     targets: torch.Tensor  # (N, K) draft indices; OOV or IGNORE
     context: torch.Tensor  # (N, S) token ids the conditioned heads read: tokens[i], tokens[i + 1], ... (S may be 0)
-
-
-def is_eval(conv_id: str, fraction: float) -> bool:
-    """Held out or not, decided by the prompt: every answer to a prompt (its variants "<id>~<name>") falls on
-    the same side, so a second answer never leaks a held-out prompt into training."""
-    return zlib.crc32(prompt_id(conv_id).encode()) % 10_000 < fraction * 10_000
 
 
 def choose_draft_vocab(segments: list[Segment], size: int, vocab_size: int) -> list[int]:
@@ -57,14 +50,6 @@ def draft_index(vocab: list[int], vocab_size: int) -> torch.Tensor:
     index = torch.full((vocab_size,), OOV, dtype=torch.long)
     index[torch.tensor(vocab)] = torch.arange(len(vocab))
     return index
-
-
-def segment_context(tokens: torch.Tensor, width: int) -> torch.Tensor:
-    """(n,) -> (n, width): row i is tokens[i : i + width], the root (the target's own token from hidden[i]) and
-    the true path after it, repeating the last token past the end (where no head has a target left)."""
-    n = tokens.shape[0]
-    idx = (torch.arange(n)[:, None] + torch.arange(width)[None]).clamp(max=n - 1)
-    return tokens[idx]
 
 
 def build_split(segments: list[Segment], num_heads: int, index: torch.Tensor, context_size: int = 0) -> Split:
@@ -203,10 +188,10 @@ def train(recipe: TrainRecipe, resume: bool = False) -> Path:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
-    from ..models import resolve_model
+    from medusa_heads.default_model import resolve_model
 
     if recipe.lora_rank > 0:
-        from .joint import train_joint
+        from medusa_heads.training.joint import train_joint
 
         return train_joint(recipe, resume)
     out, ckpt = prepare_output(recipe, resume)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .spec import TreeSpec
+from medusa_heads.tree.spec import TreeSpec
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Choose a tree from the heads' rank accuracies."""
 from __future__ import annotations
 
-from .spec import TreeSpec
+from medusa_heads.tree.spec import TreeSpec
 
 
 def rank_paths(correct_ranks: list[tuple[int, ...]]) -> dict[tuple[int, ...], float]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Sequence
 
-Path = tuple[int, ...]
+RankPath = tuple[int, ...]  # child ranks from the root: (0, 1) = the top token, then its second child
 
 
 @dataclass(frozen=True)
@@ -15,12 +15,12 @@ class TreeSpec:
     then head 2's rank-r2 token, and so on (the format of Medusa's `medusa_choices`).
     The root (the target's own next token) is implicit."""
 
-    paths: tuple[Path, ...]  # sorted by (depth, ranks): parents always precede children
+    paths: tuple[RankPath, ...]  # sorted by (depth, ranks): parents always precede children
 
     def __post_init__(self) -> None:
         if len(self.paths) == 0:
             raise ValueError("tree spec is empty: give at least one path such as [0]")
-        seen: set[Path] = set()
+        seen: set[RankPath] = set()
         for path in self.paths:
             if not isinstance(path, tuple) or len(path) == 0:
                 raise ValueError(f"tree path {list(path)!r} is empty or not a sequence of ranks")

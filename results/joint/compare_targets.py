@@ -2,12 +2,14 @@
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from peft import PeftModel
-from medusa_heads.models import resolve_model
+from medusa_heads.default_model import resolve_model
 from medusa_heads.checkpoint import load_config, load_heads
 from medusa_heads.training.recipe import TrainRecipe
-from medusa_heads.training.data import read_conversations, tokenize_conversation
+from medusa_heads.prompting import conversation_ids
+from medusa_heads.training.data import read_conversations
 from medusa_heads.training.joint import Seq, evaluate_joint
-from medusa_heads.training.trainer import draft_index, is_eval
+from medusa_heads.training.data import is_eval
+from medusa_heads.training.trainer import draft_index
 torch.set_num_threads(2)
 joint_dir, init_dir = sys.argv[1], sys.argv[2]
 recipe = TrainRecipe(**{k: v for k, v in load_config(joint_dir).extra["recipe"].items()})
@@ -19,7 +21,7 @@ seqs = []
 for conv in read_conversations(recipe.data):
     if not is_eval(conv["id"], recipe.eval_fraction):
         continue
-    ids, mask = tokenize_conversation(tok, conv["messages"], recipe.max_length)
+    ids, mask = conversation_ids(tok, conv["messages"], recipe.max_length)
     if mask[1:].any():
         seqs.append(Seq(conv["id"], ids, mask, [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]))
 lm, emb = base.get_output_embeddings().weight.detach(), base.get_input_embeddings().weight.detach()

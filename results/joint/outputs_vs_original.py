@@ -2,8 +2,9 @@
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from medusa_heads import MedusaModel
-from medusa_heads.models import resolve_model
-from medusa_heads.training.data import read_prompts, chat_input_ids
+from medusa_heads.default_model import resolve_model
+from medusa_heads.prompting import prompt_ids
+from medusa_heads.training.data import read_prompts
 torch.set_num_threads(2)
 joint_dir = sys.argv[1]
 path = resolve_model("smollm2-135m-instruct")
@@ -15,7 +16,7 @@ for name, heads in (("original", "runs/heads-v5"), ("adapted", joint_dir)):
     m = MedusaModel.from_pretrained(base, heads=heads, prepack=True)
     seqs, acc, steps = [], 0, 0
     for r in rows:
-        ids = chat_input_ids(tok, [{"role": "user", "content": r.turns[0]}])
+        ids = prompt_ids(tok, r.turns[0])
         res = m.generate(ids, max_new_tokens=128, do_sample=False, return_dict_in_generate=True, prompt_lookup_num_tokens=0)
         seqs.append(res.sequences[0, ids.shape[1]:].tolist())
         acc += res.stats.new_tokens

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import argparse
 
-from .commands import (
+from medusa_heads.cli.commands import (
     cmd_bench, cmd_calibrate, cmd_chat, cmd_demo, cmd_distill, cmd_export, cmd_features, cmd_generate, cmd_train,
 )
-from .models import DEFAULT_MODEL
+from medusa_heads.default_model import DEFAULT_MODEL
 
 
 def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -144,6 +144,3 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.fn(args)
 
-
-if __name__ == "__main__":
-    main()

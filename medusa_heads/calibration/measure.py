@@ -9,11 +9,11 @@ from dataclasses import dataclass, fields
 import torch
 from tqdm import tqdm
 
-from .inference.cache import crop_to, new_cache
-from .tree.adaptive import Acceptance, CostModel, LookupAcceptance, isotonic
-from .tree.buffers import build_buffers
-from .tree.calibrate import best_tree, tree_value
-from .tree.spec import TreeSpec
+from medusa_heads.inference.cache import crop_to, new_cache
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, isotonic
+from medusa_heads.tree.buffers import build_buffers
+from medusa_heads.tree.calibrate import best_tree, tree_value
+from medusa_heads.tree.spec import TreeSpec
 
 
 @torch.no_grad()
@@ -22,7 +22,7 @@ def correct_ranks(heads, segments, topk: int = 10, chunk: int = 2048) -> list[tu
     Conditioned heads see the true tokens[i .. i + k - 1]: on the path that is right, these are the very tokens
     they are given when drafting, so the ranks are exact for every path that matters.
     Positions whose continuation is shorter than the heads are left out."""
-    from .training.trainer import segment_context
+    from medusa_heads.training.features import segment_context
 
     k_heads = heads.config.num_heads
     out: list[tuple[int, ...]] = []
@@ -75,7 +75,7 @@ def verify_latency(target, sizes: list[int], context: int = 300, repeats: int = 
 @torch.no_grad()
 def draft_latency(heads, spec: TreeSpec, repeats: int = 20) -> float:
     """Seconds the heads take to draft `spec` (path-conditioned heads draft level by level, so it depends on it)."""
-    from .inference.propose import HeadsDrafter
+    from medusa_heads.inference.propose import HeadsDrafter
 
     param = next(heads.parameters())
     buffers = build_buffers(spec).to(param.device)
@@ -139,7 +139,7 @@ class CandidateSamples:
 
 def second_half(conv_id: str) -> bool:
     """Splits held-out conversations in two by prompt (every answer to a prompt falls on the same side)."""
-    from .training.data import prompt_id
+    from medusa_heads.training.data import prompt_id
 
     return zlib.crc32(f"{prompt_id(conv_id)}#half".encode()) % 2 == 1
 
@@ -150,7 +150,7 @@ def candidate_samples(heads, segments, topk: int = 8, chunk: int = 1024) -> list
     above (what they are given on the path that is right), labelled by the true token at depth d. A position counts
     at depth d only where the true tokens at depths 1..d-1 are each in their head's top-k: there the parent is in
     the tree and accepted, so the labels are acceptance given an accepted parent."""
-    from .training.trainer import segment_context
+    from medusa_heads.training.features import segment_context
 
     k_heads = heads.config.num_heads
     param = next(heads.parameters())
@@ -293,11 +293,11 @@ def answer_spans(ids: torch.Tensor, mask: torch.Tensor, eos: int | None) -> list
 def tokenized_answers(tokenizer, conversations: list[dict], max_length: int = 1 << 16) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
     """Chat-template token ids of each conversation and its answers' spans; an answer that was cut off (not
     "finished") loses the end-of-turn token the template adds, which the model never wrote."""
-    from .training.data import tokenize_conversation
+    from medusa_heads.prompting import conversation_ids
 
     out = []
     for conv in conversations:
-        ids, mask = tokenize_conversation(tokenizer, conv["messages"], max_length)
+        ids, mask = conversation_ids(tokenizer, conv["messages"], max_length)
         finished = [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]
         spans = answer_spans(ids, mask, tokenizer.eos_token_id)
         cut = [int(not done and int(ids[b - 1]) == tokenizer.eos_token_id) for (_, b), done in zip(spans, finished)]
@@ -313,7 +313,7 @@ def lookup_acceptance(conversations: list[tuple[torch.Tensor, list[tuple[int, in
     (so roots fall where decoding steps start, often just after a miss). every_position: every answer token is a
     root (deep inside copied runs too, which decoding crosses in few steps). Rates per matched n-gram length and
     j, given j - 1 accepted."""
-    from .inference.propose import lookup_match
+    from medusa_heads.inference.propose import lookup_match
 
     ngrams = list(range(min_ngram, max_ngram + 1))
     tried = torch.zeros(len(ngrams), max_tokens, dtype=torch.long)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import MedusaConfig
-from .tree.adaptive import CostModel, LookupAcceptance
+from medusa_heads.config import MedusaConfig
+from medusa_heads.tree.adaptive import CostModel, LookupAcceptance
 
 REPORT_SIZES = (1, 2, 4, 8, 16, 32)
 

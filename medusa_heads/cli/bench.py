@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .inference.prepack import is_prepacked, stock_kernels
-from .training.data import PromptRow, chat_input_ids
+from medusa_heads.inference.prepack import is_prepacked, stock_kernels
+from medusa_heads.prompting import eos_ids, prompt_ids, prompt_text, user_turn
+from medusa_heads.training.data import PromptRow
 
 
 class ForwardCounter:
@@ -50,7 +51,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
     with "+pld" / "+pldN" (prompt lookup of N tokens; "+pld0": heads only; default: the heads' lookup_tokens).
     long_tokens > 0 adds one open-writing prompt of that many new tokens, EOS ignored, timed apart.
     Returns {"overall": {method: stats}, "by_category": {cat: {method: stats}}, "by_prompt", "long", "profile"}."""
-    from .model import ADAPTIVE
+    from medusa_heads.model import ADAPTIVE
 
     base = model.base_model
     device = base.device
@@ -75,7 +76,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                              return_dict_in_generate=True, **gen, **extra)
         return res.sequences, res.stats
 
-    warm = chat_input_ids(tokenizer, [{"role": "user", "content": "Hello"}]).to(device)
+    warm = prompt_ids(tokenizer, "Hello").to(device)
     for m in methods:
         call(m, warm, **gen)
     by_prompt: dict[str, dict[str, float]] = {}
@@ -86,7 +87,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         messages = []
         for turn in row.turns:
             messages.append({"role": "user", "content": turn})
-            ids = chat_input_ids(tokenizer, messages).to(device)
+            ids = prompt_ids(tokenizer, messages).to(device)
             order = methods if i % 2 == 0 else methods[::-1]
             outs = {}
             for m in order:
@@ -121,7 +122,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
             messages.append({"role": "assistant", "content": reply})
     long = {}
     if long_tokens:  # one long open-writing answer (EOS ignored): hf, then each method, in one go
-        ids = chat_input_ids(tokenizer, [{"role": "user", "content": LONG_PROMPT}]).to(device)
+        ids = prompt_ids(tokenizer, LONG_PROMPT).to(device)
         for m in methods:
             calls0, t0 = counter.calls, time.perf_counter()
             seq, _ = call(m, ids, max_new_tokens=long_tokens, eos_token_id=None, **gen)
@@ -243,10 +244,8 @@ def run_batch_bench(model, tokenizer, rows: list[PromptRow], batch_sizes: list[i
     n = len(rows) // max(batch_sizes) * max(batch_sizes)
     if n == 0:
         raise ValueError(f"need at least {max(batch_sizes)} prompts for batch size {max(batch_sizes)}, got {len(rows)}")
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r.turns[0]}], tokenize=False, add_generation_prompt=True)
-             for r in rows[:n]]
-    e = model._generation_config(None, {}).eos_token_id
-    eos = set() if e is None else {e} if isinstance(e, int) else set(e)
+    texts = [prompt_text(tokenizer, user_turn(r.turns[0])) for r in rows[:n]]
+    eos = set(eos_ids(model.generation_config_for().eos_token_id))
 
     def new_tokens(seq: torch.Tensor, width: int) -> int:
         total = 0

@@ -5,49 +5,39 @@ import argparse
 import sys
 import time
 
+from medusa_heads.prompting import prompt_ids
+
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def _load_base(name: str, dtype: str = "fp32", prepack: bool = True):
-    """The model (CPU) and its tokenizer; with `prepack`, its linears run through oneDNN (inference/prepack.py)."""
+    """The model (CPU) and its tokenizer; with `prepack`, its linears run through oneDNN where this CPU can."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .inference.prepack import prepack_linears, prepack_supported
-    from .models import resolve_model
+    from medusa_heads.loading import load_base, load_tokenizer
 
-    path = resolve_model(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype])).eval()
-    if prepack and prepack_supported():
-        model.requires_grad_(False)
-        prepack_linears(model)
-    return model, AutoTokenizer.from_pretrained(path)
-
-
-def _chat_ids(tokenizer, prompt: str):
-    from .training.data import chat_input_ids
-
-    return chat_input_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return load_base(name, dtype=getattr(torch, DTYPES[dtype]), prepack=None if prepack else False), load_tokenizer(name)
 
 
 def _load_medusa(args: argparse.Namespace):
     """Base model, tokenizer and MedusaModel for the generating commands (--model, --heads, --tree)."""
-    from .model import MedusaModel
+    import torch
 
-    from .inference.prepack import prepack_supported
+    from medusa_heads.loading import load_tokenizer
+    from medusa_heads.model import MedusaModel
 
-    # from_pretrained prepacks: after merging a Medusa-2 adapter into the base, and the loaded heads too
-    base, tok = _load_base(args.model, args.dtype, prepack=False)
-    prepack = args.prepack and prepack_supported()
-    return MedusaModel.from_pretrained(base, heads=args.heads or "auto", tree=getattr(args, "tree", None), prepack=prepack), tok
+    # from_pretrained prepacks (where this CPU can) after merging a Medusa-2 adapter into the base, heads too
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads or "auto", tree=getattr(args, "tree", None),
+                                        dtype=getattr(torch, DTYPES[args.dtype]), prepack=None if args.prepack else False)
+    return model, load_tokenizer(args.model)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from transformers import TextStreamer
 
     model, tok = _load_medusa(args)
-    ids = _chat_ids(tok, args.prompt)
+    ids = prompt_ids(tok, args.prompt)
     t = time.perf_counter()
     res = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                          top_p=args.top_p, return_dict_in_generate=True, streamer=TextStreamer(tok, skip_prompt=True))
@@ -58,8 +48,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_chat(args: argparse.Namespace) -> None:
     """Interactive chat with the chat template; replies stream as they are accepted, then tokens/s and tau."""
     from transformers import TextStreamer
-
-    from .training.data import chat_input_ids
 
     model, tok = _load_medusa(args)
     messages: list[dict] = []
@@ -72,7 +60,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        ids = chat_input_ids(tok, messages)
+        ids = prompt_ids(tok, messages)
         t = time.perf_counter()
         sampling = dict(do_sample=True, temperature=args.temperature) if args.do_sample else {}
         res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
@@ -94,7 +82,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     With prepacked linears (the default on a CPU) transformers' generate also runs on the stock kernels."""
     import torch
 
-    from .inference.prepack import is_prepacked, stock_kernels
+    from medusa_heads.inference.prepack import is_prepacked, stock_kernels
 
     torch.set_num_threads(args.threads)
     model, tok = _load_medusa(args)
@@ -108,13 +96,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
         with stock_kernels(base):
             return base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
 
-    ids = _chat_ids(tok, "Hi")
+    ids = prompt_ids(tok, "Hi")
     base.generate(ids, max_new_tokens=4, do_sample=False), model.generate(ids, max_new_tokens=4)  # warm-up
     seconds = dict.fromkeys(["hf", "medusa"] + (["hf_stock"] if packed else []), 0.0)
     n_tok = same = 0
     taus = []
     for i, prompt in enumerate(DEMO_PROMPTS):
-        ids = _chat_ids(tok, prompt)
+        ids = prompt_ids(tok, prompt)
         runs = [("hf", lambda: base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)),
                 ("medusa", lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True))]
         if packed:
@@ -140,9 +128,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_distill(args: argparse.Namespace) -> None:
     import torch
 
-    from .model import MedusaModel
-    from .training.data import as_variant, read_prompts, subsample
-    from .training.distill import distill
+    from medusa_heads.model import MedusaModel
+    from medusa_heads.training.data import as_variant, read_prompts, subsample
+    from medusa_heads.training.distill import distill
 
     if args.variant and args.temperature <= 0:
         raise SystemExit("--variant asks for a further answer to each prompt: give it a --temperature > 0, "
@@ -168,8 +156,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
 def cmd_features(args: argparse.Namespace) -> None:
     import torch
 
-    from .training.data import read_conversations
-    from .training.features import features_from_conversations
+    from medusa_heads.training.data import read_conversations
+    from medusa_heads.training.features import features_from_conversations
 
     torch.set_num_threads(args.threads)
     base, tok = _load_base(args.model, prepack=args.prepack)
@@ -180,8 +168,8 @@ def cmd_features(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     import torch
 
-    from .training.recipe import TrainRecipe
-    from .training.trainer import train
+    from medusa_heads.training.recipe import TrainRecipe
+    from medusa_heads.training.trainer import train
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,16 +188,16 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     ("acceptance"), prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost")."""
     import torch
 
-    from .checkpoint import load_config, save_config
-    from .inference.prepack import is_prepacked
-    from .model import MedusaModel
-    from .training.data import read_conversations
-    from .training.features import load_segments
-    from .training.trainer import is_eval
-    from .tree.adaptive import kernels_key
-    from .tuning import PARTS, calibrate_acceptance, candidate_samples, choose_tree, correct_ranks, draft_latency
-    from .tuning import lookup_acceptance, measure_cost, merge_adaptive, tokenized_answers, verify_latency
-    from .tree.calibrate import rank_paths
+    from medusa_heads.checkpoint import load_config, save_config
+    from medusa_heads.inference.prepack import is_prepacked
+    from medusa_heads.model import MedusaModel
+    from medusa_heads.training.data import read_conversations
+    from medusa_heads.training.features import load_segments
+    from medusa_heads.training.data import is_eval
+    from medusa_heads.tree.adaptive import kernels_key
+    from medusa_heads.calibration.measure import PARTS, calibrate_acceptance, candidate_samples, choose_tree, correct_ranks, draft_latency
+    from medusa_heads.calibration.measure import lookup_acceptance, measure_cost, merge_adaptive, tokenized_answers, verify_latency
+    from medusa_heads.tree.calibrate import rank_paths
 
     parts = [p for p in args.parts.split(",") if p]
     if not parts or set(parts) - set(PARTS):
@@ -259,7 +247,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if "lookup" in parts:
         from transformers import AutoTokenizer
 
-        from .models import resolve_model
+        from medusa_heads.default_model import resolve_model
 
         tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
         answers = tokenized_answers(tok, conversations)
@@ -286,7 +274,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
             config.extra["adaptive_calibration"]["cost"] = {**old.get("cost", {}), **details["cost"]}
     save_config(args.heads, config)
     if args.report:
-        from .calibration_report import write_report
+        from medusa_heads.calibration.report import write_report
 
         out = write_report(config, details, args.report)
         print(f"report written to {out}", file=sys.stderr)
@@ -334,8 +322,8 @@ def _cost_table(key: str, cost) -> str:
 def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
-    from .bench import run_batch_bench, run_bench, write_batch_results, write_results
-    from .training.data import read_prompts
+    from medusa_heads.cli.bench import run_batch_bench, run_bench, write_batch_results, write_results
+    from medusa_heads.training.data import read_prompts
 
     torch.set_num_threads(args.threads)
     model, tok = _load_medusa(args)
@@ -367,8 +355,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     """Write heads in another layout: --format medusa, the reference layout (medusa_lm_head.safetensors +
     config.json); --format vllm, everything vLLM 0.32's Medusa reads (biases, draft vocabulary, shared LM head)."""
-    from .checkpoint import export_reference, export_vllm, is_reference_dir, load_config, vllm_exportable
-    from .model import MedusaModel
+    from medusa_heads.checkpoint import export_reference, export_vllm, is_reference_dir, load_config, vllm_exportable
+    from medusa_heads.model import MedusaModel
 
     try:
         if args.format == "vllm" and not is_reference_dir(args.heads_dir):

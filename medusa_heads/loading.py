@@ -1,0 +1,45 @@
+"""The one way a base model is loaded: from_pretrained, the commands, the trainers and the scripts all come here."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from medusa_heads.default_model import DEFAULT_MODEL, resolve_model
+from medusa_heads.inference.prepack import prepack_linears, prepack_supported
+
+
+def _source(name: str | os.PathLike) -> str | Path:
+    """The default model's name -> its converted directory; a directory must hold a config.json; else a hub id."""
+    source = resolve_model(str(name))
+    if isinstance(source, str) and (os.sep in source or source.startswith(".")) and Path(source).exists() \
+            and not (Path(source) / "config.json").is_file():
+        raise FileNotFoundError(f"{source} holds no config.json: give a model directory saved by transformers, a hub "
+                                f"id, or {DEFAULT_MODEL!r} (the embedded default)")
+    return source
+
+
+def load_base(name: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
+              prepack: bool | None = None, frozen: bool = True, **kwargs) -> PreTrainedModel:
+    """A causal LM by name (the embedded default's, a local directory or a hub id), in eval mode, frozen unless
+    `frozen=False` (joint training adapts it). prepack: run its linears through oneDNN (inference/prepack.py);
+    None = on when it lands on a CPU that supports it. kwargs go to AutoModelForCausalLM.from_pretrained."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(_source(name), dtype=dtype, **kwargs).eval()
+    except OSError as e:  # transformers' "is not a local folder and is not a valid model identifier ..."
+        raise FileNotFoundError(f"cannot load a model from {str(name)!r}: give a model directory saved by "
+                                f"transformers, a hub id, or {DEFAULT_MODEL!r} ({e.__class__.__name__}: "
+                                f"{str(e).splitlines()[0]})") from e
+    if frozen:
+        model.requires_grad_(False)
+    if prepack is None:
+        prepack = model.device.type == "cpu" and prepack_supported()
+    if prepack:
+        prepack_linears(model)
+    return model
+
+
+def load_tokenizer(name: str | os.PathLike = DEFAULT_MODEL):
+    return AutoTokenizer.from_pretrained(_source(name))
