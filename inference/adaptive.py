@@ -19,7 +19,7 @@ import torch
 from medusa_heads.heads import MedusaHeads
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
-from medusa_heads.inference.propose import Draft, lookup_match
+from medusa_heads.inference.propose import MAX_NGRAM, Draft, lookup_match
 
 PRIOR = 4.0  # pseudo-observations behind the stored calibration, before a call's own acceptance corrects it
 
@@ -45,7 +45,7 @@ class AdaptiveDrafter:
     """Drafts a tree chosen for this step (see the module's docstring); one per generate call (it learns)."""
 
     def __init__(self, heads: MedusaHeads, acceptance: Acceptance, cost: CostModel,
-                 lookup: LookupAcceptance | None = None, lookup_tokens: int = 0, max_ngram: int = 3,
+                 lookup: LookupAcceptance | None = None, lookup_tokens: int = 0, max_ngram: int = MAX_NGRAM,
                  min_ngram: int = 1, topk: int = 4, beam: int = 4) -> None:
         if topk < 1 or beam < 1:
             raise ValueError(f"topk and beam must be >= 1, got {topk} and {beam}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import torch
+from einops import repeat
 from transformers.cache_utils import DynamicLayer
 
 from medusa_heads.tree.buffers import TreeBuffers
@@ -116,8 +117,8 @@ def pad_trees(drafts: list[Draft], roots: list[torch.Tensor]) -> tuple[torch.Ten
     size = max(d.buffers.size for d in drafts)
     b = len(drafts)
     device = drafts[0].buffers.mask.device
-    tokens = torch.stack(roots)[:, None].repeat(1, size)
-    masks = torch.eye(size, dtype=torch.bool, device=device).repeat(b, 1, 1)
+    tokens = repeat(torch.stack(roots), "b -> b t", t=size).clone()
+    masks = repeat(torch.eye(size, dtype=torch.bool, device=device), "t s -> b t s", b=b).clone()
     masks[:, :, 0] = True
     depths = torch.ones(b, size, dtype=torch.long, device=device)
     depths[:, 0] = 0

@@ -82,7 +82,7 @@ def prepack_heads(heads: nn.Module, batch_hint: int = 8) -> int:
     per level, where the stock kernels are slowest). Drafts only: exactness never depends on it."""
     swapped = prepack_linears(heads, batch_hint)
     if getattr(heads, "shared_weight", None) is not None:
-        heads.packed_scorer = PackedWeight(heads.shared_weight, batch_hint)
+        heads.use_scorer(PackedWeight(heads.shared_weight, batch_hint))
         swapped += 1
     return swapped
 

@@ -5,7 +5,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from einops import rearrange
+from einops import rearrange, repeat
 
 from medusa_heads.heads import MedusaHeads
 from medusa_heads.tree.buffers import TreeBuffers, with_chain
@@ -69,14 +69,19 @@ class HeadsDrafter:
         tokens = torch.empty(hidden.shape[0], buffers.size, dtype=torch.long, device=hidden.device)
         tokens[:, 0] = roots
         for d, (chains, nodes, row, rank) in enumerate(buffers.levels):
-            h = hidden[:, None].expand(-1, chains.shape[0], -1)
+            h = repeat(hidden, "b h -> b p h", p=chains.shape[0])  # one row per parent of this level
             top = self.heads.head_topk(d, h, buffers.topk, context=tokens[:, chains])  # (B, parents, topk)
             tokens[:, nodes] = top[:, row, rank]
         return tokens[:, 1:]
 
 
-def lookup_match(sequence: torch.Tensor, max_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> tuple[torch.Tensor, int]:
-    """Prompt lookup: up to max_tokens tokens that followed the latest earlier occurrence of the sequence's last n
+# Prompt lookup matches the text's last MAX_NGRAM tokens (transformers' max_matching_ngram_size), down to MIN_NGRAM.
+MAX_NGRAM, MIN_NGRAM = 3, 2
+
+
+def lookup_match(sequence: torch.Tensor, lookup_tokens: int, max_ngram: int = MAX_NGRAM,
+                 min_ngram: int = MIN_NGRAM) -> tuple[torch.Tensor, int]:
+    """Prompt lookup: up to lookup_tokens tokens that followed the latest earlier occurrence of the sequence's last n
     tokens, trying n from max_ngram down to min_ngram; returns (those tokens, n), or (empty, 0) when nothing matches."""
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
@@ -84,26 +89,21 @@ def lookup_match(sequence: torch.Tensor, max_tokens: int, max_ngram: int = 3, mi
         hits = (windows == sequence[-n:]).all(dim=1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + n
-            return sequence[start : start + max_tokens], n
+            return sequence[start : start + lookup_tokens], n
     return sequence[:0], 0
 
 
-def lookup(sequence: torch.Tensor, max_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> torch.Tensor:
-    """lookup_match's tokens alone."""
-    return lookup_match(sequence, max_tokens, max_ngram, min_ngram)[0]
-
-
 class LookupDrafter:
-    """The inner drafter drafts its tree; prompt lookup (`lookup`) proposes a continuation copied from the text so
+    """The inner drafter drafts its tree; prompt lookup (`lookup_match`) proposes a continuation copied from the text so
     far, which is merged in: it follows the drafted nodes for as long as it repeats them, and only the rest is hung
     below as a chain, so a step costs extra verify positions only for tokens the heads did not draft. Acceptance
     is unchanged (longest path the target agrees with), so output stays exactly the target's."""
 
-    def __init__(self, inner: Drafter, max_tokens: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
-        if max_tokens < 1 or not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"prompt lookup needs max_tokens >= 1 and 1 <= min_ngram <= max_ngram, got "
-                             f"{max_tokens}, {min_ngram}, {max_ngram}")
-        self.inner, self.max_tokens = inner, max_tokens
+    def __init__(self, inner: Drafter, lookup_tokens: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
+        if lookup_tokens < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs lookup_tokens >= 1 and 1 <= min_ngram <= max_ngram, got "
+                             f"{lookup_tokens}, {min_ngram}, {max_ngram}")
+        self.inner, self.lookup_tokens = inner, lookup_tokens
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._base: TreeBuffers | None = None  # this call's configured tree, and its grown copies:
         self._grown: dict[tuple[int, int], TreeBuffers] = {}  # (node, chain length) -> buffers
@@ -116,7 +116,7 @@ class LookupDrafter:
 
     def _merge(self, draft: Draft, sequence: torch.Tensor) -> Draft:
         tokens, buffers = draft
-        found = lookup(sequence, self.max_tokens, self.max_ngram, self.min_ngram)
+        found, _ = lookup_match(sequence, self.lookup_tokens, self.max_ngram, self.min_ngram)
         if found.numel() == 0:
             return draft
         drafted, cont = [int(sequence[-1])] + tokens.tolist(), found.tolist()

@@ -46,6 +46,12 @@ class Target:
         return self._run(input_ids=input_ids, cache=cache, logits_to_keep=1).row()
 
     @torch.no_grad()
+    def step(self, token: torch.Tensor, past: int, cache: DynamicCache) -> TargetOutput:
+        """token: (1,) one plain decoding step at position `past` (no tree, no mask: the model's own fast path)."""
+        return self._run(input_ids=token[None], cache=cache,
+                         position_ids=torch.tensor([[past]], device=token.device)).row()
+
+    @torch.no_grad()
     def verify(self, tokens: torch.Tensor, past: int, cache: DynamicCache, buffers: TreeBuffers) -> TargetOutput:
         """tokens: (T,) tree tokens (root first). Each node sees the cached prefix and its own ancestors,
         at position past + depth. Appends T entries to the cache."""

@@ -89,7 +89,7 @@ class MedusaHeads(nn.Module):
         else:
             self.lm_heads = None
             self.register_buffer("shared_weight", rows, persistent=False)  # (V', H), frozen
-        self.packed_scorer = None  # inference.prepack.prepack_heads sets a oneDNN product with shared_weight
+        self.scorer = None  # (z, shared_weight) -> z @ shared_weight.T another way (prepack_heads: oneDNN); see use_scorer
 
     def _check_context(self, h: torch.Tensor, context: torch.Tensor | None, width: int) -> None:
         if width == 0:
@@ -125,8 +125,15 @@ class MedusaHeads(nn.Module):
         z = self.head_hidden(k, h, context)
         return self._score(z) if self.lm_heads is None else self.lm_heads[k](z)
 
+    def use_scorer(self, scorer) -> None:
+        """Score with the shared LM-head rows through scorer(z, shared_weight) (same product, other kernels); None:
+        plain matmul."""
+        if scorer is not None and self.shared_weight is None:
+            raise ValueError("these heads have their own LM heads: there is no shared product to score with")
+        self.scorer = scorer
+
     def _score(self, z: torch.Tensor) -> torch.Tensor:
-        return z @ self.shared_weight.T if self.packed_scorer is None else self.packed_scorer(z, self.shared_weight)
+        return z @ self.shared_weight.T if self.scorer is None else self.scorer(z, self.shared_weight)
 
     def token_ids(self, ranks: torch.Tensor) -> torch.Tensor:
         """Rows of the heads' logits (draft-vocabulary ranks) -> token ids."""

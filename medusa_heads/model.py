@@ -20,7 +20,7 @@ from medusa_heads.inference.accept import TargetChoice, TypicalAcceptance
 from medusa_heads.inference.adaptive import AdaptiveDrafter
 from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
-from medusa_heads.inference.propose import Drafter, HeadsDrafter, LookupDrafter
+from medusa_heads.inference.propose import MAX_NGRAM, MIN_NGRAM, Drafter, HeadsDrafter, LookupDrafter
 from medusa_heads.inference.sampling import build_processors, build_warpers
 from medusa_heads.inference.prepack import is_prepacked, prepack_heads, prepack_linears, prepack_supported
 from medusa_heads.inference.support import check_tree_attention
@@ -230,7 +230,7 @@ class MedusaModel(nn.Module):
         output token for token, and sampled output follows the base model's distribution exactly, unless
         acceptance="typical" (Medusa's typical acceptance: faster, lossy).
         prompt_lookup_num_tokens=N (as in transformers) adds up to N tokens copied from the text so far after the
-        latest earlier occurrence of its last 3 (max_matching_ngram_size) or 2 tokens, merged into the heads' tree;
+        latest earlier occurrence of its last MAX_NGRAM (3, max_matching_ngram_size) down to MIN_NGRAM (2) tokens, merged into the heads' tree;
         output is unchanged, only tau. Unset, it is the heads' config.lookup_tokens (unbatched generation only).
         With tree "adaptive" (the default for calibrated heads) each unbatched step chooses its own tree, lookup
         included; batches draft the fixed tree."""
@@ -273,11 +273,11 @@ class MedusaModel(nn.Module):
         lookup = gc.prompt_lookup_num_tokens
         if lookup is None and not batched:
             lookup = self.config.lookup_tokens
-        ngram = gc.max_matching_ngram_size or 3
+        ngram = gc.max_matching_ngram_size or MAX_NGRAM
         if drafter is None and self.adaptive and not batched:  # this step's tree from the heads' confidence
             drafter = self._adaptive_drafter(lookup or 0, ngram)
         elif lookup:  # the heads' tree plus a continuation copied from the text so far, grown row by row
-            drafter = LookupDrafter(drafter or HeadsDrafter(self.heads), lookup, max_ngram=ngram, min_ngram=min(2, ngram))
+            drafter = LookupDrafter(drafter or HeadsDrafter(self.heads), lookup, max_ngram=ngram, min_ngram=min(MIN_NGRAM, ngram))
         drafter = drafter or HeadsDrafter(self.heads)
         if batched:
             pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids or [None])[0]  # transformers' fallback

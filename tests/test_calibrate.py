@@ -8,7 +8,7 @@ import torch
 
 from medusa_heads import MedusaModel
 from medusa_heads.config import MedusaConfig
-from medusa_heads.inference.propose import lookup, lookup_match
+from medusa_heads.inference.propose import lookup_match
 from medusa_heads.training.features import Segment
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, isotonic
 from medusa_heads.calibration.measure import (
@@ -118,7 +118,7 @@ def test_lookup_match_agrees_with_lookup():
     for _ in range(200):
         seq = torch.randint(0, 5, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
         cont, n = lookup_match(seq, 6, max_ngram=3, min_ngram=2)
-        assert torch.equal(cont, lookup(seq, 6, max_ngram=3, min_ngram=2))
+        assert torch.equal(cont, lookup_match(seq, 6, max_ngram=3, min_ngram=2)[0])
         assert (n == 0) == (cont.numel() == 0)
         if n:  # the last n tokens occur earlier, and the continuation is what followed them there
             starts = [i for i in range(len(seq) - n) if torch.equal(seq[i : i + n], seq[-n:])]
@@ -133,7 +133,7 @@ def test_lookup_acceptance_on_hand_made_tokens():
     ids = torch.tensor([5, 6, 7, 8, 5, 6, 7, 9])
     # root 5 (p=4): 1-gram [5] -> 6 7 8 5 vs truth 6 7 9: two accepted, the third missed
     # root 6 (p=5): 2-gram [5 6] -> 7 8 .. vs 7 9: one accepted; root 7 (p=6): 3-gram [5 6 7] -> 8 vs 9: missed
-    lk, report = lookup_acceptance([(ids, [(4, 8)])], max_tokens=4, every_position=True)
+    lk, report = lookup_acceptance([(ids, [(4, 8)])], lookup_tokens=4, every_position=True)
     assert report["roots"] == 3 and report["matched"] == [1, 1, 1]
     assert report["tried"] == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]]
     assert report["accepted"] == [[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
@@ -141,12 +141,12 @@ def test_lookup_acceptance_on_hand_made_tokens():
     assert lk.rates == ((1.0, 1.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0, 0.0))
     assert LookupAcceptance.from_dict(json.loads(json.dumps(lk.to_dict()))) == lk
     # as decoding walks it: after root 5 accepts 6 7, the target's own 9 is the next root, the answer's last token
-    lk, report = lookup_acceptance([(ids, [(4, 8)])], max_tokens=4)
+    lk, report = lookup_acceptance([(ids, [(4, 8)])], lookup_tokens=4)
     assert report["roots"] == 1 and report["tried"] == [[1, 1, 1, 0], [0] * 4, [0] * 4]
     assert lk.rates[0] == (1.0, 1.0, 0.0, 0.0)
     # no match: a plain step; a continuation accepted to its end: the next root follows it
     ids = torch.tensor([1, 2, 3, 4, 1, 2, 3, 4, 5, 6])
-    _, report = lookup_acceptance([(ids, [(1, 10)])], max_tokens=2)
+    _, report = lookup_acceptance([(ids, [(1, 10)])], lookup_tokens=2)
     # roots: 2 (p=1, no match), 3 (p=2), 4 (p=3), 1 (p=4: 1-gram -> 2 3 accepted), 4 (p=7: 3-gram 2 3 4 -> 1 vs 5), 5
     assert report["roots"] == 6 and report["tried"] == [[1, 1], [0, 0], [1, 0]]
     assert report["accepted"] == [[1, 1], [0, 0], [0, 0]]

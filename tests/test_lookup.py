@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from medusa_heads import MedusaModel
-from medusa_heads.inference.propose import Draft, LookupDrafter, RowDrafter, lookup
+from medusa_heads.inference.propose import Draft, LookupDrafter, RowDrafter, lookup_match
 from medusa_heads.tree import TreeSpec, build_buffers
 from medusa_heads.tree.buffers import with_chain
 
@@ -17,14 +17,14 @@ T = torch.tensor
 
 def test_lookup_takes_the_latest_occurrence_of_the_longest_matching_ngram():
     seq = T([5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 3, 4, 6, 7, 0, 5, 6, 7])
-    assert lookup(seq, 3).tolist() == [9, 3, 4]  # [5, 6, 7] at 0 and 6: the latest, 6
-    assert lookup(seq, 30).tolist() == seq[9:].tolist()  # as many as follow
+    assert lookup_match(seq, 3)[0].tolist() == [9, 3, 4]  # [5, 6, 7] at 0 and 6: the latest, 6
+    assert lookup_match(seq, 30)[0].tolist() == seq[9:].tolist()  # as many as follow
     seq2 = T([1, 6, 7, 2, 0, 0, 8, 6, 7])  # no earlier [8, 6, 7]; [6, 7] at 1
-    assert lookup(seq2, 2).tolist() == [2, 0]
-    assert lookup(seq2, 2, max_ngram=3, min_ngram=3).tolist() == []
-    assert lookup(T([1, 2, 3, 4]), 5).tolist() == []
-    assert lookup(T([4, 1, 4]), 5, max_ngram=1, min_ngram=1).tolist() == [1, 4]
-    assert lookup(T([3]), 5, max_ngram=3, min_ngram=1).tolist() == []
+    assert lookup_match(seq2, 2)[0].tolist() == [2, 0]
+    assert lookup_match(seq2, 2, max_ngram=3, min_ngram=3)[0].tolist() == []
+    assert lookup_match(T([1, 2, 3, 4]), 5)[0].tolist() == []
+    assert lookup_match(T([4, 1, 4]), 5, max_ngram=1, min_ngram=1)[0].tolist() == [1, 4]
+    assert lookup_match(T([3]), 5, max_ngram=3, min_ngram=1)[0].tolist() == []
 
 
 def test_a_chain_below_a_node_extends_mask_depth_and_paths_and_leaves_the_heads_buffers():
@@ -59,7 +59,7 @@ def draft_one(drafter, h, sequence, buffers) -> Draft:
 
 def test_the_lookup_follows_drafted_nodes_and_hangs_only_new_tokens_below():
     base = build_buffers(TreeSpec.from_paths([[0], [1], [0, 0]]))
-    drafter = LookupDrafter(FixedDrafter([10, 11, 12]), max_tokens=4)  # [0] -> 10, [1] -> 11, [0, 0] -> 12
+    drafter = LookupDrafter(FixedDrafter([10, 11, 12]), lookup_tokens=4)  # [0] -> 10, [1] -> 11, [0, 0] -> 12
     h = torch.zeros(8)
     tokens, grown = draft_one(drafter, h, T([3, 4, 10, 12, 13, 14, 3, 4]), base)  # continuation 10 12 13 14
     assert tokens.tolist() == [10, 11, 12, 13, 14] and grown.parent.tolist() == [-1, 0, 0, 1, 3, 4]
@@ -67,13 +67,13 @@ def test_the_lookup_follows_drafted_nodes_and_hangs_only_new_tokens_below():
     assert tokens.tolist() == [10, 11, 12, 20, 9, 3] and grown2.parent.tolist() == [-1, 0, 0, 1, 2, 4, 5]
     tokens, same = draft_one(drafter, h, T([3, 4, 10, 12, 3, 4]), base)  # 10 12 3 4: the node path, then 3 4
     assert same.parent.tolist() == [-1, 0, 0, 1, 3, 4] and same is grown  # grown trees are built once
-    short = LookupDrafter(FixedDrafter([10, 11, 12]), max_tokens=2)
+    short = LookupDrafter(FixedDrafter([10, 11, 12]), lookup_tokens=2)
     tokens, plain = draft_one(short, h, T([3, 4, 10, 12, 3, 4]), base)  # the continuation [10, 12] is all drafted
     assert plain is base and tokens.tolist() == [10, 11, 12]
     tokens, plain = draft_one(drafter, h, T([1, 2, 3, 4]), base)  # no match
     assert plain is base and tokens.tolist() == [10, 11, 12]
     with pytest.raises(ValueError, match="max_tokens >= 1"):
-        LookupDrafter(FixedDrafter([]), max_tokens=0)
+        LookupDrafter(FixedDrafter([]), lookup_tokens=0)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Prompt sets, self-distillation (the target writes the answers), chat tokenisation and loss masks."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -20,11 +21,14 @@ class PromptRow:
 
 
 def read_prompts(path: str | os.PathLike) -> list[PromptRow]:
-    """Read JSONL rows {"prompt": str} or {"turns": [str, ...]}, optionally with "id", "source", "category".
+    """Read JSONL rows (gzipped if the name ends in .gz) {"prompt": str} or {"turns": [str, ...]}, optionally with "id", "source", "category".
     A malformed line raises ValueError naming the file and line."""
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no prompts file at {path}")
+    stem = Path(path.name.removesuffix(".gz")).stem  # ids "<stem>:<line>" of data/x.jsonl.gz and x.jsonl agree
     rows, seen = [], set()
-    with path.open(encoding="utf-8") as f:
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -42,7 +46,7 @@ def read_prompts(path: str | os.PathLike) -> list[PromptRow]:
                 raise ValueError(f'{where}: "turns" must be a non-empty list of strings')
             if any(not t.strip() for t in turns):
                 raise ValueError(f"{where}: empty prompt")
-            rid = str(obj.get("id", f"{path.stem}:{n}"))
+            rid = str(obj.get("id", f"{stem}:{n}"))
             if VARIANT_SEP in rid or "#" in rid:
                 raise ValueError(f"{where}: id {rid!r} contains '{VARIANT_SEP}' or '#', which mark answer variants and turns")
             if rid in seen:

@@ -1,3 +1,111 @@
-"""Calibration: what the heads' config learns from held-out data and this machine (the fixed tree, calibrated
-acceptance, prompt lookup's acceptance, the verify cost model), measured in `measure`, reported in `report`.
-The pure choice of a tree from measured rank accuracies is tree/calibrate.py (no model)."""
+"""Calibration: what the heads' config learns from held-out data and this machine, in one place. `calibrate` runs
+the parts asked for; `measure` holds the measurements, `report` what they print and write. The pure choice of a
+tree from measured rank accuracies is tree/calibrate.py (no model)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from medusa_heads.calibration import measure, report
+from medusa_heads.checkpoint import save_config
+from medusa_heads.inference.prepack import is_prepacked
+from medusa_heads.tree.adaptive import kernels_key
+from medusa_heads.tree.calibrate import rank_paths
+
+PARTS = measure.PARTS
+
+
+@dataclass
+class Settings:
+    max_nodes: int = 64  # largest fixed tree considered
+    topk: int = 10  # candidates per head when measuring rank accuracies (the fixed tree)
+    context: int = 300  # cached tokens when timing the verify pass (the fixed tree)
+    repeats: int = 5  # timed forwards per size (the median is used)
+    overhead_ms: float = 3.0  # per-step Python work besides heads and verify
+    accept_topk: int = 8  # candidates per head in the acceptance calibration, per parent when timing a level
+    lookup_tokens: int = 10  # prompt-lookup continuation length measured
+    contexts: tuple[int, ...] = (256, 1024, 4096)  # cached context lengths of the cost model
+
+
+def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], conversations: list[dict],
+              features: str | os.PathLike, settings: Settings = Settings(), report_dir: str | os.PathLike | None = None,
+              log=print) -> None:
+    """Measure `parts` (PARTS) for `model` (a MedusaModel with the heads of heads_dir) on the held-out
+    `conversations` and this machine, and write into heads_dir's config: the fixed tree that maximises predicted
+    tokens/s ("tree"), and what the per-step tree runs on (config.adaptive): calibrated acceptance ("acceptance"),
+    prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost")."""
+    from medusa_heads.training.features import load_segments
+
+    unknown = set(parts) - set(PARTS)
+    if not parts or unknown:
+        raise ValueError(f"calibrate takes parts among {', '.join(PARTS)}, got {', '.join(parts) or 'none'}")
+    config, s = model.config, settings
+    held_out = []
+    if {"tree", "acceptance"} & set(parts):
+        ids = {c["id"] for c in conversations}
+        held_out = load_segments(features, keep_ids=ids)
+        if not held_out:
+            raise ValueError(f"no features for the {len(ids)} held-out conversations in {features} (compute them with: "
+                             f"medusa-heads features --data ... --features {features})")
+    details = {}
+    if "tree" in parts:
+        ranks = measure.correct_ranks(model.heads, held_out, topk=s.topk)
+        latency = measure.verify_latency(model.target, list(range(1, s.max_nodes + 2)), context=s.context, repeats=s.repeats)
+        result = measure.choose_tree(rank_paths(ranks), latency, lambda spec: measure.draft_latency(model.heads, spec),
+                                     s.overhead_ms / 1000, s.max_nodes)
+        best = result["best"]
+        log(report.tree_table(result, latency, len(ranks)))
+        config.tree = best["paths"]
+        config.extra["calibration"] = {
+            "nodes": best["nodes"], "predicted_tau": best["tau"], "predicted_speedup": best["speedup"],
+            "dtype": str(model.base_model.dtype).removeprefix("torch."), "device": str(model.base_model.device),
+            "threads": torch.get_num_threads(), "prepack": is_prepacked(model.base_model),
+            "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * best["draft_s"],
+            "overhead_ms": s.overhead_ms, "held_out_positions": len(ranks),
+        }
+    acceptance = lookup = cost = None
+    if "acceptance" in parts:
+        samples = measure.candidate_samples(model.heads, held_out, topk=s.accept_topk)
+        acceptance, details["acceptance"] = measure.calibrate_acceptance(samples)
+        log(report.acceptance_table(details["acceptance"]))
+    if "lookup" in parts:
+        answers = measure.tokenized_answers(tokenizer, conversations)
+        lookup, details["lookup"] = measure.lookup_acceptance(answers, lookup_tokens=s.lookup_tokens)
+        dense, details["lookup"]["every_position"] = measure.lookup_acceptance(answers, s.lookup_tokens, every_position=True)
+        details["lookup"]["every_position"]["rates"] = [list(r) for r in dense.rates]
+        log(report.lookup_table(details["lookup"], lookup))
+    if "cost" in parts:
+        key = kernels_key(model.base_model, is_prepacked(model.base_model))
+        load = os.getloadavg()[0]  # other work on the machine slows every timing: kept beside them
+        cost = (key, measure.measure_cost(model.target, model.heads, contexts=s.contexts, repeats=s.repeats,
+                                          topk=s.accept_topk, overhead_ms=s.overhead_ms))
+        details["cost"] = {key: {"threads": torch.get_num_threads(), "repeats": s.repeats, "parents": 4,
+                                 "topk": s.accept_topk, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}}
+        log(report.cost_table(*cost))
+    if acceptance or lookup or cost:
+        config.adaptive = measure.merge_adaptive(config.adaptive, acceptance, lookup, cost)
+        old = config.extra.get("adaptive_calibration", {})
+        config.extra["adaptive_calibration"] = {**old, **{k: report.brief(k, v) for k, v in details.items() if k != "cost"}}
+        if "cost" in details:
+            config.extra["adaptive_calibration"]["cost"] = {**old.get("cost", {}), **details["cost"]}
+    save_config(heads_dir, config)
+    if report_dir:
+        out = report.write_report(config, details, report_dir)
+        log(f"report written to {out}")
+
+
+def held_out_conversations(conversations: list[dict], heads_dir: str | os.PathLike) -> list[dict]:
+    """The conversations the heads in heads_dir did not train on (their recipe's eval fraction)."""
+    from medusa_heads.checkpoint import load_config
+    from medusa_heads.training.data import is_eval
+
+    fraction = load_config(heads_dir).extra.get("recipe", {}).get("eval_fraction", 0.05)
+    held = [c for c in conversations if is_eval(c["id"], fraction)]
+    if not held:
+        raise ValueError(f"no held-out conversations (eval fraction {fraction}) among the {len(conversations)} given")
+    return held
+
+
+__all__ = ["PARTS", "Settings", "calibrate", "held_out_conversations"]

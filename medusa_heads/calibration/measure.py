@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_heads.inference.cache import crop_to, new_cache
+from medusa_heads.inference.propose import MAX_NGRAM
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, isotonic
 from medusa_heads.tree.buffers import build_buffers
 from medusa_heads.tree.calibrate import best_tree, tree_value
@@ -60,7 +61,7 @@ def verify_latency(target, sizes: list[int], context: int = 300, repeats: int = 
             tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
             t0 = time.perf_counter()
             if n == 1:  # a plain decoding step, as generate takes it
-                target._run(input_ids=tokens[None], cache=cache, position_ids=torch.tensor([[context]], device=device))
+                target.step(tokens, context, cache)
             else:
                 target.verify(tokens, context, cache, chains[n])
             if device.type == "cuda":
@@ -305,8 +306,8 @@ def tokenized_answers(tokenizer, conversations: list[dict], max_length: int = 1 
     return out
 
 
-def lookup_acceptance(conversations: list[tuple[torch.Tensor, list[tuple[int, int]]]], max_tokens: int = 10,
-                      max_ngram: int = 3, min_ngram: int = 1, every_position: bool = False) -> tuple[LookupAcceptance, dict]:
+def lookup_acceptance(conversations: list[tuple[torch.Tensor, list[tuple[int, int]]]], lookup_tokens: int = 10,
+                      max_ngram: int = MAX_NGRAM, min_ngram: int = 1, every_position: bool = False) -> tuple[LookupAcceptance, dict]:
     """conversations: (token ids (L,), answer spans). Walks each answer as decoding with prompt lookup alone would:
     at a root, lookup over the tokens up to it (inference.propose.lookup_match); the j-th continuation token is
     accepted if it and the ones before it equal the answer's next tokens; the next root follows the accepted ones
@@ -316,7 +317,7 @@ def lookup_acceptance(conversations: list[tuple[torch.Tensor, list[tuple[int, in
     from medusa_heads.inference.propose import lookup_match
 
     ngrams = list(range(min_ngram, max_ngram + 1))
-    tried = torch.zeros(len(ngrams), max_tokens, dtype=torch.long)
+    tried = torch.zeros(len(ngrams), lookup_tokens, dtype=torch.long)
     hit = torch.zeros_like(tried)
     roots = 0
     for ids, spans in conversations:
@@ -324,7 +325,7 @@ def lookup_acceptance(conversations: list[tuple[torch.Tensor, list[tuple[int, in
             p = start
             while p < end - 1:
                 roots += 1
-                cont, n = lookup_match(ids[: p + 1], max_tokens, max_ngram, min_ngram)
+                cont, n = lookup_match(ids[: p + 1], lookup_tokens, max_ngram, min_ngram)
                 truth, accepted = ids[p + 1 : end], 0
                 for j in range(min(len(cont), len(truth)) if n else 0):
                     tried[n - min_ngram, j] += 1
@@ -338,12 +339,12 @@ def lookup_acceptance(conversations: list[tuple[torch.Tensor, list[tuple[int, in
     rates = []
     for i in range(len(ngrams)):
         row, last = [], 0.0
-        for j in range(max_tokens):
+        for j in range(lookup_tokens):
             last = round(int(hit[i, j]) / int(tried[i, j]), 4) if tried[i, j] else last  # unseen: the rate above
             row.append(last)
         rates.append(tuple(row))
     report = {"roots": roots, "matched": tried[:, 0].tolist(), "tried": tried.tolist(), "accepted": hit.tolist(),
-              "max_tokens": max_tokens, "max_ngram": max_ngram, "min_ngram": min_ngram,
+              "max_tokens": lookup_tokens, "max_ngram": max_ngram, "min_ngram": min_ngram,
               "walk": "every position" if every_position else "decoding steps"}
     return LookupAcceptance(tuple(ngrams), tuple(rates)), report
 

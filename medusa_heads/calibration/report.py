@@ -144,3 +144,56 @@ def _plot_reliability(a: dict, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=90)
     plt.close(fig)
+
+
+def tree_table(result: dict, latency: dict[int, float], positions: int) -> str:
+    """The fixed-tree calibration: predicted tau and speed-up by tree size, and the chosen tree."""
+    best = result["best"]
+    lines = [f"held-out positions: {positions}; drafting the chosen tree {1000 * best['draft_s']:.1f} ms; "
+             f"t(1) {1000 * latency[1]:.1f} ms",
+             f"{'nodes':>6}{'tau':>7}{'verify ms':>11}{'pred tok/s':>12}{'pred speed-up':>15}"]
+    for row in result["table"]:
+        if row["nodes"] in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) or row is best:
+            lines.append(f"{row['nodes']:>6}{row['tau']:>7.2f}{1000 * latency[row['nodes'] + 1]:>11.1f}"
+                         f"{row['tokens_per_s']:>12.1f}{row['speedup']:>15.2f}")
+    lines.append(f"chosen: {best['nodes']} nodes, predicted tau {best['tau']:.2f}, predicted speed-up {best['speedup']:.2f}")
+    return "\n".join(lines)
+
+
+def brief(part: str, detail: dict) -> dict:
+    """What the heads' config keeps of a part's measurement (the report keeps all of it)."""
+    if part == "acceptance":
+        return {"method": detail["method"], "summary": detail["summary"], "held_out_positions": detail["held_out_positions"],
+                "temperatures": [r["T"] for r in detail["depths"]]}
+    return {k: detail[k] for k in ("roots", "matched", "max_tokens", "max_ngram", "min_ngram", "walk")}
+
+
+def acceptance_table(detail: dict) -> str:
+    lines = [f"acceptance given the parent accepted, second half of the held-out conversations (fitted on the first); "
+             f"stored: {detail['method']}",
+             f"{'depth':>6}{'cands':>9}{'observed':>10}{'raw':>8}{'isotonic':>10}{'temp.':>8}{'T':>6}"
+             f"{'logloss raw':>13}{'iso':>8}{'temp.':>8}"]
+    for r in detail["depths"]:
+        lines.append(f"{r['depth']:>6}{r['test_positions'] * r['topk']:>9}{r['observed']:>10.3f}{r['raw']['mean']:>8.3f}"
+                     f"{r['isotonic']['mean']:>10.3f}{r['temperature']['mean']:>8.3f}{r['T']:>6.2f}"
+                     f"{r['raw']['log_loss']:>13.4f}{r['isotonic']['log_loss']:>8.4f}{r['temperature']['log_loss']:>8.4f}")
+    s = detail["summary"]
+    lines.append(f"{'all':>6}{'':>63}{s['raw']['log_loss']:>13.4f}{s['isotonic']['log_loss']:>8.4f}{s['temperature']['log_loss']:>8.4f}")
+    return "\n".join(lines)
+
+
+def lookup_table(detail: dict, lookup) -> str:
+    lines = [f"prompt lookup: {detail['roots']} roots ({detail['walk']}); acceptance of token j given j - 1 accepted, "
+             "by matched n-gram",
+             f"{'n':>3}{'matched':>9}" + "".join(f"{'j=' + str(j + 1):>7}" for j in range(detail["max_tokens"]))]
+    for n, matched, row in zip(lookup.ngrams, detail["matched"], lookup.rates):
+        lines.append(f"{n:>3}{matched:>9}" + "".join(f"{x:>7.3f}" for x in row))
+    return "\n".join(lines)
+
+
+def cost_table(key: str, cost) -> str:
+    lines = [f"verify ms ({key}); one drafting level {cost.draft_ms:.2f} ms, overhead {cost.overhead_ms:.1f} ms",
+             f"{'size':>5}" + "".join(f"{'ctx ' + str(c):>11}" for c in cost.contexts)]
+    for s, size in enumerate(cost.sizes):
+        lines.append(f"{size:>5}" + "".join(f"{row[s]:>11.1f}" for row in cost.ms))
+    return "\n".join(lines)
