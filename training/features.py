@@ -54,6 +54,15 @@ def next_shard_path(folder: str | os.PathLike) -> Path:
     return folder / f"shard-{n:05d}.safetensors"
 
 
+def feature_ids(folder: str | os.PathLike) -> set[str]:
+    """The conversations that have features in `folder` (read from the shards' metadata only)."""
+    out = set()
+    for path in shard_paths(folder):
+        with safe_open(path, "pt") as f:
+            out.update(conversation_of(sid) for sid in json.loads(f.metadata()["ids"]))
+    return out
+
+
 def load_segments(folder: str | os.PathLike, keep_ids: set[str] | None = None) -> list[Segment]:
     """All segments, each id once (a shard written just before a crash may repeat rows redone later)."""
     out, seen = [], set()
@@ -101,12 +110,13 @@ def answer_segments(conv_id: str, ids: torch.Tensor, mask: torch.Tensor, hidden:
 def features_from_conversations(model, tokenizer, conversations: list[dict], folder: str | os.PathLike,
                                 max_length: int = 2048, per_shard: int = 64) -> int:
     """Features for conversations that have none in `folder` (data distilled elsewhere, or with --heads): one
-    forward per conversation over its chat-template tokens. Returns the number of conversations added."""
+    forward per conversation over its chat-template tokens. Resumable: every `per_shard` segments go to disk, and a
+    rerun skips the conversations written. Returns the number of conversations computed."""
     from tqdm import tqdm
 
     from medusa_heads.prompting import conversation_ids
 
-    have = {s.conv_id for s in load_segments(folder)}
+    have = feature_ids(folder)
     todo = [c for c in conversations if c["id"] not in have]
     segments: list[Segment] = []
     for conv in tqdm(todo, desc="features", unit="conv"):

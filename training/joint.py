@@ -7,27 +7,27 @@ MedusaModel.from_pretrained merges it into the base, and generation is then loss
 ADAPTED model (not the original one)."""
 from __future__ import annotations
 
-import json
 import sys
-import time
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
-from safetensors.torch import load_file
-from tqdm import tqdm
+from safetensors.torch import load_file, save_file
 
-from medusa_heads.checkpoint import base_fingerprint, save_heads
+from medusa_heads.checkpoint import check_fingerprint, load_config, load_heads, save_heads
 from medusa_heads.heads import MedusaHeads
 from medusa_heads.inference.tap import LMHeadTap
+from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.prompting import conversation_ids
-from medusa_heads.training.data import is_eval, read_conversations
+from medusa_heads.training.data import is_eval
 from medusa_heads.training.features import Segment, answer_segments
 from medusa_heads.training.loss import IGNORE, medusa_loss
 from medusa_heads.training.recipe import TrainRecipe
-from medusa_heads.training.trainer import OOV, build_split, choose_draft_vocab, draft_index, evaluate, load_checkpoint, plot_log, prepare_output, save_checkpoint
+from medusa_heads.training.loop import (OOV, Job, build_split, draft_index, evaluate, load_checkpoint, new_heads, run,
+                                        save_checkpoint)
 
 ADAPTER_DIR = "adapter"
 
@@ -94,26 +94,27 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, pool: int = 32
 
 
 def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
-    from accelerate import Accelerator
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
+    """Heads and LoRA adapters on the target together; returns the heads directory (the adapter in adapter/)."""
+    return run(recipe, resume, partial(_job, recipe))
 
-    from medusa_heads.default_model import resolve_model
 
-    out, ckpt = prepare_output(recipe, resume)
-    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum)
-    if accelerator.num_processes > 1:
-        raise NotImplementedError("joint (LoRA) training runs in one process; Medusa-1 training runs distributed")
-    path = resolve_model(recipe.model)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    fingerprint = base_fingerprint(base)
-    lm_weight = base.get_output_embeddings().weight.detach()
-    embed_weight = base.get_input_embeddings().weight.detach()
+def _heads(recipe: TrainRecipe, base, train_seqs: list[Seq], eos: int | None) -> MedusaHeads:
+    """New heads over the training answers' draft vocabulary, or (Medusa-2's stage 2) recipe.init_heads."""
+    if not recipe.init_heads:
+        return new_heads(recipe, base, [seg for s in train_seqs for seg in _segments(s, None, eos)])
+    config = load_config(recipe.init_heads)
+    check_fingerprint(config, base)
+    if (config.num_heads, config.condition) != (recipe.num_heads, recipe.condition):
+        raise ValueError(f"init_heads {recipe.init_heads} has num_heads={config.num_heads}, condition={config.condition!r}; "
+                         f"the recipe says num_heads={recipe.num_heads}, condition={recipe.condition!r}")
+    return load_heads(recipe.init_heads, base.get_output_embeddings().weight.detach(), config,
+                      base.get_input_embeddings().weight.detach())
 
+
+def _seqs(recipe: TrainRecipe, tokenizer, convs: list[dict]) -> tuple[list[Seq], list[Seq]]:
+    """The conversations as chat-template tokens: those with an answer token within recipe.max_length, and the rest."""
     seqs, cut = [], []
-    eos = tokenizer.eos_token_id
-    for conv in read_conversations(recipe.data):
+    for conv in convs:
         ids, mask = conversation_ids(tokenizer, conv["messages"], recipe.max_length)
         finished = [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]
         (seqs if mask[1:].any() else cut).append(Seq(conv["id"], ids, mask, finished))
@@ -122,40 +123,41 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
               f"and are left out (first: {cut[0].id})", file=sys.stderr)
     if not seqs:
         raise ValueError(f"no answers to train on in {recipe.data}")
+    return seqs, cut
+
+
+def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume: bool) -> Job:
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import get_cosine_schedule_with_warmup
+
+    if accelerator.num_processes > 1:
+        raise NotImplementedError("joint (LoRA) training runs in one process; Medusa-1 training runs distributed")
+    base, tokenizer = load_base(recipe.model, prepack=False, frozen=False), load_tokenizer(recipe.model)
+    seqs, cut = _seqs(recipe, tokenizer, convs)
+    eos = tokenizer.eos_token_id
     train_seqs = [s for s in seqs if not is_eval(s.id, recipe.eval_fraction)]
     eval_seqs = [s for s in seqs if is_eval(s.id, recipe.eval_fraction)]
     torch.manual_seed(recipe.seed)
-    if recipe.init_heads:  # stage 2 of Medusa-2: heads trained on the frozen target first
-        from medusa_heads.checkpoint import check_fingerprint, load_config, load_heads
-
-        config = load_config(recipe.init_heads)
-        check_fingerprint(config, base)
-        if (config.num_heads, config.condition) != (recipe.num_heads, recipe.condition):
-            raise ValueError(f"init_heads {recipe.init_heads} has num_heads={config.num_heads}, condition={config.condition!r}; "
-                             f"the recipe says num_heads={recipe.num_heads}, condition={recipe.condition!r}")
-        heads = load_heads(recipe.init_heads, lm_weight, config, embed_weight)
-        vocab = config.draft_vocab or list(range(lm_weight.shape[0]))
-    else:  # the draft vocabulary from the training answers, as in Medusa-1 training
-        vocab = choose_draft_vocab([seg for s in train_seqs for seg in _segments(s, None, eos)],
-                                   recipe.draft_vocab_size, lm_weight.shape[0])
-        config = recipe.heads_config(*lm_weight.shape, vocab, fingerprint)
-        heads = MedusaHeads(config, lm_weight, embed_weight)
-    index = draft_index(vocab, lm_weight.shape[0])
-    lora = LoraConfig(r=recipe.lora_rank, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
-                      target_modules=[t.strip() for t in recipe.lora_targets.split(",") if t.strip()])
-    model = get_peft_model(base, lora)
-    adapter_params = [p for p in model.parameters() if p.requires_grad]
+    heads = _heads(recipe, base, train_seqs, eos)
+    config = heads.config
+    vocab = config.draft_vocab or list(range(config.vocab_size))
+    index = draft_index(vocab, config.vocab_size)
+    model = get_peft_model(base, LoraConfig(r=recipe.lora_rank, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
+                                            target_modules=[t.strip() for t in recipe.lora_targets.split(",") if t.strip()]))
     optimizer = torch.optim.AdamW([{"params": list(heads.parameters()), "lr": recipe.lr},
-                                   {"params": adapter_params, "lr": recipe.lora_lr}], weight_decay=recipe.weight_decay)
+                                   {"params": [p for p in model.parameters() if p.requires_grad], "lr": recipe.lora_lr}],
+                                  weight_decay=recipe.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, recipe.warmup_steps, recipe.max_steps)
     step = 0
-    if resume and ckpt.exists():
+    if resume:
         step = load_checkpoint(ckpt, heads, optimizer, scheduler)
         set_peft_model_state_dict(model, load_file(ckpt / "adapter.safetensors"))
     model, heads, optimizer, scheduler = accelerator.prepare(model, heads, optimizer, scheduler)
     device = accelerator.device
+    lengths = [s.ids.shape[0] for s in train_seqs]
+    order = lru_cache(1)(lambda epoch: epoch_batches(lengths, recipe.batch_size, recipe.seed * 100_003 + epoch))
 
-    def losses(batch) -> tuple[torch.Tensor, dict]:
+    def loss(batch: list[Seq]) -> tuple[torch.Tensor, dict]:
         adapted, frozen, hidden, rows, cols = _forward(model, batch, device)
         segments = [seg for b, s in enumerate(batch) for seg in _segments(s, hidden[b], eos)]
         split = build_split(segments, recipe.num_heads, index, config.context_size)
@@ -167,56 +169,20 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
         total = head_loss + recipe.lm_weight * lm + recipe.kl_weight * kl
         return total, {"heads": float(head_loss.detach()), "lm": float(lm.detach()), "kl": float(kl.detach())}
 
-    log_path = out / "train_log.jsonl"
-    if step == 0:
-        log_path.write_text(json.dumps({"kind": "data", "conversations": len(seqs), "left_out_too_long": len(cut), "train_conversations": len(train_seqs),
-                                        "eval_conversations": len(eval_seqs), "draft_vocab": len(vocab), "joint": True}) + "\n")
-    if step == 0 and recipe.init_heads:  # where stage 2 starts: the heads on the unadapted target
-        metrics = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device, eos)
-        with log_path.open("a") as f:
-            f.write(json.dumps({"kind": "eval", "step": 0, **metrics}) + "\n")
-    per_step = recipe.batch_size
-    steps_per_epoch = max(len(train_seqs) // per_step, 1)
-    bar = tqdm(total=recipe.max_steps, initial=step, desc="train (joint)")
-    lengths, batches_of = [s.ids.shape[0] for s in train_seqs], {}
-    last_eval = None  # the evaluation at max_steps, reused for the heads' config (it costs two forwards per answer)
-    t0 = time.time()
-    while step < recipe.max_steps:
-        epoch, pos = divmod(step * recipe.grad_accum, steps_per_epoch)
-        if epoch not in batches_of:  # once an epoch
-            batches_of = {epoch: epoch_batches(lengths, per_step, recipe.seed * 100_003 + epoch)}
-        batches = batches_of[epoch]
-        for micro in range(recipe.grad_accum):
-            batch = [train_seqs[i] for i in batches[(pos + micro) % steps_per_epoch]]
-            with accelerator.accumulate(model, heads):
-                loss, parts = losses(batch)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}; the last good checkpoint is {ckpt}")
-                accelerator.backward(loss)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-        step += 1
-        bar.update(1)
-        loss = float(loss.detach())
-        bar.set_postfix(loss=f"{loss:.3f}", kl=f"{parts['kl']:.4f}")
-        if step % recipe.eval_every == 0 or step == recipe.max_steps:
-            metrics = last_eval = evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device, eos)
-            with log_path.open("a") as f:
-                f.write(json.dumps({"kind": "train", "step": step, "loss": loss, **parts, "seconds": time.time() - t0}) + "\n")
-                f.write(json.dumps({"kind": "eval", "step": step, **metrics}) + "\n")
-            plot_log(log_path, out / "train_plot.png")
-            accelerator.print(f"step {step}: " + " ".join(f"head{i + 1} top1 {metrics[f'top1_{i + 1}']:.3f}" for i in range(recipe.num_heads)))
-        if step % recipe.save_every == 0 or step == recipe.max_steps:
-            save_checkpoint(ckpt, accelerator.unwrap_model(heads), optimizer, scheduler, step, recipe,
-                            adapter=get_peft_model_state_dict(accelerator.unwrap_model(model)))
-    bar.close()
-    final = accelerator.unwrap_model(heads)
-    final.config.extra = {"recipe": recipe.to_dict(), "adapter": ADAPTER_DIR,
-                          "final_eval": last_eval or evaluate_joint(model, final, eval_seqs or train_seqs[:8], index, recipe, device, eos)}
-    save_heads(out, final, final.config)
-    accelerator.unwrap_model(model).save_pretrained(out / ADAPTER_DIR, safe_serialization=True)
-    return out
+    def save(step: int) -> None:
+        def write(folder: Path) -> None:
+            save_heads(folder, accelerator.unwrap_model(heads))
+            adapter = get_peft_model_state_dict(accelerator.unwrap_model(model))
+            save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, folder / "adapter.safetensors")
+        save_checkpoint(ckpt, write, optimizer, scheduler, step, recipe)
+
+    info = {"conversations": len(seqs), "left_out_too_long": len(cut), "train_conversations": len(train_seqs),
+            "eval_conversations": len(eval_seqs), "draft_vocab": len(vocab), "joint": True}
+    return Job(step, (heads, model), optimizer, scheduler, max(len(train_seqs) // recipe.batch_size, 1),
+               lambda epoch, p: [train_seqs[i] for i in order(epoch)[p]], loss,
+               lambda: evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device, eos),
+               save, info, {"adapter": ADAPTER_DIR}, eval_first=bool(recipe.init_heads),
+               finish=lambda out: accelerator.unwrap_model(model).save_pretrained(out / ADAPTER_DIR, safe_serialization=True))
 
 
 @torch.no_grad()
@@ -230,8 +196,5 @@ def evaluate_joint(model, heads: MedusaHeads, seqs: list[Seq], index: torch.Tens
         kl_sum += float(_kl(adapted, frozen, "sum"))
         n += rows.shape[0]
         segments += [Segment(g.id, g.hidden.cpu(), g.tokens) for b, s in enumerate(batch) for g in _segments(s, hidden[b], eos)]
-    split = build_split(segments, recipe.num_heads, index, heads.config.context_size)
-    metrics = evaluate(heads, split, recipe.decay)
-    metrics["kl_to_frozen"] = kl_sum / max(n, 1)
-    metrics["loss"] = sum(recipe.decay**k * metrics[f"ce_{k + 1}"] for k in range(recipe.num_heads))  # heads' loss
-    return metrics
+    metrics = evaluate(heads, build_split(segments, recipe.num_heads, index, heads.config.context_size), recipe.decay)
+    return {**metrics, "kl_to_frozen": kl_sum / max(n, 1)}

@@ -12,7 +12,7 @@ import yaml
 class TrainRecipe:
     model: str = "smollm2-135m-instruct"  # base model: the default's name, a local HF directory or a hub id
     data: str = "data/distilled.jsonl"  # distilled conversations (JSONL from `medusa-heads distill`)
-    features: str = "data/features"  # hidden-state shards written by `distill --features`
+    features: str = "data/features"  # hidden-state shards (`distill --features`); train computes those missing
     out: str = "runs/heads"  # heads directory to write (loadable with MedusaModel.from_pretrained(base, heads=out))
     num_heads: int = 4  # K
     num_layers: int = 1  # residual blocks per head
