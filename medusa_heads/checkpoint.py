@@ -52,11 +52,18 @@ def check_fingerprint(config: MedusaConfig, base: PreTrainedModel, allow_mismatc
             )
 
 
+_UMASK = os.umask(0)  # read once (os.umask can only read it by setting it)...
+os.umask(_UMASK)  # ...and put back
+
+
 def _atomic_write(path: Path, write) -> None:
+    """write(tmp) then rename over `path`; the file gets the mode a plain open() would (0666 less the umask),
+    not mkstemp's 0600."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

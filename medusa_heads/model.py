@@ -58,7 +58,7 @@ class MedusaModel(nn.Module):
         self.config = heads.config
         self.target = Target(base_model)
         check_tree_attention(self.target)
-        self._adaptive_parts = None  # (kernels key, parsed config.adaptive) for the kernels last asked about
+        self._adaptive_parts = None  # (kernels key, config.adaptive, its parsed parts) last asked about
         adaptive = tree == ADAPTIVE or (tree is None and self.cost_model() is not None)
         self.set_tree(self._default_tree() if tree is None or tree == ADAPTIVE else tree)  # the fixed tree
         if adaptive:
@@ -71,17 +71,17 @@ class MedusaModel(nn.Module):
 
     def _adaptive_config(self) -> tuple | None:
         """(acceptance, lookup table, cost model) stored for the kernels this model's verify runs on now, parsed
-        once per kernels (stock_kernels() switches them); None if the heads were not calibrated for them."""
+        again only when the kernels (stock_kernels()) or config.adaptive change; None if not calibrated for them."""
         key = kernels_key(self.base_model, is_prepacked(self.base_model))
-        if self._adaptive_parts is None or self._adaptive_parts[0] != key:
-            stored = self.config.adaptive or {}
+        stored = self.config.adaptive or {}
+        if self._adaptive_parts is None or self._adaptive_parts[:2] != (key, stored):
             entry = stored.get("cost", {}).get(key)
             parts = None
             if entry and "acceptance" in stored:
                 lookup = LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None
                 parts = (Acceptance.from_dict(stored["acceptance"]), lookup, CostModel.from_dict(entry))
-            self._adaptive_parts = (key, parts)
-        return self._adaptive_parts[1]
+            self._adaptive_parts = (key, copy.deepcopy(stored), parts)
+        return self._adaptive_parts[2]
 
     def cost_model(self) -> CostModel | None:
         """The stored cost model for the kernels this model's verify runs on, if the heads were calibrated for them."""

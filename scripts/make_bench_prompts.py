@@ -2,7 +2,7 @@
 
 Held out are (a) rows of the training file in the trainer's evaluation split (a hash of their id, fraction 0.05)
 and (b) GSM8K rows left out by the distillation cap. Run from the repo root:
-    python scripts/make_bench_prompts.py ../shared/data/train_prompts.jsonl --per-category 3
+    python scripts/make_bench_prompts.py data/train_prompts.jsonl.gz --per-category 3
 """
 from __future__ import annotations
 

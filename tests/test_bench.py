@@ -31,8 +31,28 @@ def test_bench_writes_tables_and_greedy_methods_match(tmp_path, real_base):
     table = (tmp_path / "results.md").read_text()
     assert (tmp_path / "speedup.png").stat().st_size > 1000 and "medusa-preset" in table
     assert "Slowest category for `medusa`" in table and "Slowest single prompt for `medusa`: " in table
+    assert "{" not in table.splitlines()[0] and ": 8 new tokens, greedy, tree fixed, 8 nodes" in table.splitlines()[0]
+    assert "| overall | medusa (heads only) |" in table  # new heads: no prompt lookup of their own
+    assert "| overall | medusa+pld (heads + lookup 10) |" in table and "| medusa:chain-4+pld3 (heads + lookup 3) |" in table
     assert result["long"]["medusa"]["tokens"] == 12 and all(result["long"][m]["same_as_hf"] for m in methods)
     assert set(result["by_prompt"]) == {"a#1", "b#1", "b#3"}
+
+
+def test_bench_methods_are_checked_and_labelled():
+    import re
+
+    import pytest
+
+    from medusa_heads.cli.bench import check_methods, method_label
+
+    assert check_methods(["medusa", "hf", " pld", "medusa"]) == ["hf", "medusa", "pld"]
+    for bad in ["medusaa", "medusa:cpu-7", "hf+pld3", "medusa+pldx", "pld+pld"]:
+        with pytest.raises(ValueError, match=re.escape(f"unknown bench method {bad!r}; methods: hf, hf-stock, pld, medusa")):
+            check_methods([bad])
+    assert method_label("medusa", heads_lookup=10) == "medusa (heads + lookup 10)"
+    assert method_label("medusa+pld0", heads_lookup=10) == "medusa+pld0 (heads only)"
+    assert method_label("medusa-static+pld", heads_lookup=0) == "medusa-static+pld (heads + lookup 10)"
+    assert method_label("pld", heads_lookup=0) == "pld (lookup 10)"
 
 
 def test_calibration_picks_a_tree_from_measured_latency():

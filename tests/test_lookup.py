@@ -72,7 +72,7 @@ def test_the_lookup_follows_drafted_nodes_and_hangs_only_new_tokens_below():
     assert plain is base and tokens.tolist() == [10, 11, 12]
     tokens, plain = draft_one(drafter, h, T([1, 2, 3, 4]), base)  # no match
     assert plain is base and tokens.tolist() == [10, 11, 12]
-    with pytest.raises(ValueError, match="max_tokens >= 1"):
+    with pytest.raises(ValueError, match="lookup_tokens >= 1"):
         LookupDrafter(FixedDrafter([]), lookup_tokens=0)
 
 

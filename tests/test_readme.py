@@ -1,5 +1,11 @@
 """The README's Python example runs exactly as printed, and says what it claims."""
+import gzip
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,3 +33,80 @@ def test_readme_python_example_runs_verbatim(tmp_path, monkeypatch, capsys):
     ref = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
     assert torch.equal(scope["out"], ref)  # the claim in the example's comment
     assert tok.decode(ids[0]).startswith("<|im_start|>system") and tok.decode(ids[0]).endswith("<|im_start|>assistant\n")
+
+
+ENTRY_POINT = Path(sys.executable).parent / "medusa-heads"
+ROOT = README.parent
+
+
+def training_commands() -> list[list[str]]:
+    """The `medusa-heads` commands of the README's training block, in order (continuations joined, comments cut)."""
+    section = README.read_text().split("## Training heads", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1).replace("\\\n", " ")
+    lines = [line.split("#", 1)[0].split() for line in block.splitlines()]
+    return [words[1:] for words in lines if words[:1] == ["medusa-heads"]]
+
+
+# What a test adds so that the README's commands run in a minute on a handful of prompts (acceptance and cost
+# calibration need more held-out data and a longer context than this; tests/test_calibrate.py runs them).
+SMALL = {
+    "distill": ["--limit", "8", "--max-new-tokens", "12", "--batch-size", "2"],
+    "train": ["--set", "max_steps=2", "--set", "eval_fraction=0.5", "--set", "eval_every=1", "--set", "save_every=1",
+              "--set", "batch_size=8"],
+    "calibrate": ["--parts", "tree,lookup", "--max-nodes", "4", "--repeats", "1", "--threads", "1"],
+}
+
+
+def run_training_commands(workdir: Path, model: str, prompts: list[str]) -> list[str]:
+    """The README's training commands in `workdir` (a copy of configs/, and data/train_prompts.jsonl.gz holding
+    `prompts`) through the installed entry point; returns their stderr."""
+    shutil.copytree(ROOT / "configs", workdir / "configs")
+    (workdir / "data").mkdir()
+    with gzip.open(workdir / "data" / "train_prompts.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = []
+    commands = training_commands()
+    assert [c[0] for c in commands] == ["distill", "train", "calibrate"]
+    for argv in commands:
+        extra = SMALL[argv[0]] + (["--set", f"model={model}"] if argv[0] == "train" else ["--model", model])
+        done = subprocess.run([str(ENTRY_POINT), *argv, *extra], cwd=workdir, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, f"medusa-heads {' '.join(argv)} failed:\n{done.stderr[-2000:]}"
+        logs.append(done.stderr)
+    heads = workdir / "runs" / "smollm2-135m-heads"
+    assert (heads / "heads.safetensors").is_file() and (heads / "train_plot.png").is_file()
+    done = subprocess.run([str(ENTRY_POINT), "generate", "--model", model, "--heads", str(heads), "--prompt", prompts[0],
+                           "--max-new-tokens", "8"], cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return logs + [done.stderr]
+
+
+def test_readme_training_commands_run_for_a_model_without_chat_template(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import tiny_model
+
+    words = [f"w{i}" for i in range(94)]
+    inner = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(words)}}, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+    model = tmp_path / "base"
+    tiny_model("llama", seed=5, bos_token_id=1, eos_token_id=1, pad_token_id=1).save_pretrained(model)
+    tok.save_pretrained(model)
+    work = tmp_path / "work"
+    work.mkdir()
+    logs = run_training_commands(work, str(model), [" ".join(words[i : i + 6]) for i in range(0, 48, 6)])
+    assert "no chat template" in logs[0] and "no chat template" in logs[-1]  # distill and generate say so
+    assert all(log.count("no chat template") <= 1 for log in logs)  # once per command
+    rows = [json.loads(line) for line in (work / "data" / "distilled.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+
+
+@pytest.mark.real
+def test_readme_training_commands_run_for_the_embedded_model(tmp_path):
+    prompts = ["What is 2 + 3?", "Name a colour.", "Say hello in French.", "Write one word.", "Count to three.",
+               "What is the capital of Italy?", "Spell cat.", "Give me a fruit."]
+    logs = run_training_commands(tmp_path, "smollm2-135m-instruct", prompts)
+    assert not any("no chat template" in log for log in logs)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from medusa_heads.config import DEFAULT_TREE
+
 
 @dataclass
 class TrainRecipe:
@@ -34,7 +36,7 @@ class TrainRecipe:
     save_every: int = 100  # steps between checkpoints (atomic; --resume continues from the last)
     mixed_precision: str = "no"  # "no" (fp32) or "bf16", through accelerate
     seed: int = 0  # data order
-    tree: str = "cpu-16"  # tree preset written into the heads' config (calibrate can replace it)
+    tree: str = DEFAULT_TREE  # tree preset written into the heads' config (calibrate can replace it)
     lookup_tokens: int = 0  # prompt-lookup tokens merged into the tree by default (written into the heads' config)
     # Medusa-2 (joint training): lora_rank > 0 trains peft LoRA adapters on the target together with the heads,
     # from the conversations themselves (no cached features: the target runs every step). Loss = heads' loss

@@ -2,145 +2,258 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import traceback
 
 from medusa_heads.cli.commands import (
-    cmd_bench, cmd_calibrate, cmd_chat, cmd_demo, cmd_distill, cmd_export, cmd_features, cmd_generate, cmd_train,
+    DEFAULT_TEMPERATURE, DEFAULT_TOP_P, cmd_bench, cmd_calibrate, cmd_chat, cmd_demo, cmd_distill, cmd_export,
+    cmd_features, cmd_generate, cmd_train,
 )
+from medusa_heads.calibration import PARTS, Settings
+from medusa_heads.config import DEFAULT_TREE
 from medusa_heads.default_model import DEFAULT_MODEL
+from medusa_heads.tree import list_presets
+
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" after each help text, except where there is nothing to say (None, off flags)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument error is one line on stderr that points at --help."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+CAL = Settings()  # calibrate's defaults live with calibrate
+
+
+def _int(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {'positive' if low == 1 else f'>= {low}'}, got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def _float(low: float, high: float | None = None, low_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            want = f"in ({low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+positive, non_negative = _int(1), _int(0)
+TREES = [*list_presets(), "adaptive"]
 
 
 def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     """The options every generating command shares."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="the default's name, a local HF directory or a hub id")
-    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads, if they fit)")
-    parser.add_argument("--tree", default=None, help="tree preset from configs/trees (default: the heads' own tree)")
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the embedded default's name, a local HF directory or a hub id")
+    _heads_args(parser, "heads directory (default: the shipped heads, if they fit the model; else untrained heads)")
+    parser.add_argument("--tree", default=None, choices=TREES, metavar="TREE",
+                        help=f"tree preset ({', '.join(TREES)}; default: the heads' own tree, adaptive where calibrated)")
+    parser.add_argument("--max-new-tokens", type=positive, default=max_new_tokens, help="most tokens to generate per reply")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="the model's dtype (bf16: faster on CPUs with AVX512-BF16 or AMX, and on GPUs)")
     _prepack_arg(parser)
 
 
+def _heads_args(parser: argparse.ArgumentParser, help: str, required: bool = False) -> None:
+    parser.add_argument("--heads", default=None, required=required, help=help)
+    parser.add_argument("--allow-base-mismatch", action="store_true",
+                        help="use heads trained for another base model of the same sizes (they will draft poorly)")
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=_float(0.0, low_open=True), default=DEFAULT_TEMPERATURE,
+                        help="sampling temperature (with --do-sample)")
+    parser.add_argument("--top-p", type=_float(0.0, 1.0, low_open=True), default=DEFAULT_TOP_P,
+                        help="nucleus sampling: keep the smallest set of tokens with this much probability (with --do-sample)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+
+
 def _prepack_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=True,
-                        help="on a CPU, run the model's linears through oneDNN with prepacked weights (default: on)")
+                        help="on a CPU, run the model's linears through oneDNN with prepacked weights")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="medusa-heads", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+def _threads_arg(parser: argparse.ArgumentParser, default: int | None) -> None:
+    parser.add_argument("--threads", type=positive, default=default,
+                        help="CPU threads" + ("" if default else " (default: PyTorch's choice)"))
 
-    g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
-    g.add_argument("--prompt", required=True)
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="medusa-heads", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--debug", action="store_true", help="on an error, show the full traceback instead of one line")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = Parser(add_help=False)  # --debug after the command name too
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, show the full traceback instead of one line")
+
+    def command(name: str, help: str, fn) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=HelpFormatter)
+        parser.set_defaults(fn=fn)
+        return parser
+
+    g = command("generate", "generate a reply to one prompt (streamed)", cmd_generate)
+    g.add_argument("--prompt", required=True, help="the user's message")
     _model_args(g, max_new_tokens=256)
-    g.add_argument("--do-sample", action="store_true")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.set_defaults(fn=cmd_generate)
+    _sampling_args(g)
 
-    ch = sub.add_parser("chat", help="interactive chat, streamed, with a tokens/s and tau status line")
+    ch = command("chat", "interactive chat, streamed, with a tokens/s and tau status line", cmd_chat)
     _model_args(ch, max_new_tokens=256)
-    ch.add_argument("--do-sample", action="store_true")
-    ch.add_argument("--temperature", type=float, default=0.7)
-    ch.set_defaults(fn=cmd_chat)
+    _sampling_args(ch)
 
-    d = sub.add_parser("demo", help="plain generate vs medusa on a few prompts: tokens/s, tau, equality")
+    d = command("demo", "plain generate vs medusa on a few prompts: tokens/s, tau, equality", cmd_demo)
     _model_args(d, max_new_tokens=128)
-    d.add_argument("--threads", type=int, default=2)
-    d.set_defaults(fn=cmd_demo)
+    _threads_arg(d, 2)
 
-    s = sub.add_parser("distill", help="the target answers prompts itself (resumable: rerun continues)")
-    s.add_argument("--model", default=DEFAULT_MODEL)
-    s.add_argument("--prompts", required=True)
-    s.add_argument("--out", required=True)
-    s.add_argument("--limit", type=int, default=None)
+    s = command("distill", "the target answers prompts itself (resumable: rerun continues)", cmd_distill)
+    s.add_argument("--model", default=DEFAULT_MODEL, help="the target: the embedded default's name, a local HF directory or a hub id")
+    s.add_argument("--prompts", required=True, help='JSONL prompts: {"prompt": ...} or {"turns": [...]} per line')
+    s.add_argument("--out", required=True, help="JSONL conversations to append to (rows already there are skipped)")
+    s.add_argument("--limit", type=positive, default=None, help="answer at most this many prompts (default: all)")
     s.add_argument("--cap", action="append", default=[], metavar="SOURCE=N", help="keep at most N rows of SOURCE")
-    s.add_argument("--max-new-tokens", type=int, default=256)
-    s.add_argument("--batch-size", type=int, default=16)
-    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--max-new-tokens", type=positive, default=256, help="most tokens per answer")
+    s.add_argument("--batch-size", type=positive, default=16, help="prompts answered together")
+    s.add_argument("--temperature", type=_float(0.0), default=0.0,
+                   help=f"0: the target's greedy answers (what heads are trained on); > 0: sampled answers "
+                        f"(e.g. {DEFAULT_TEMPERATURE}, with --variant)")
     s.add_argument("--variant", default=None, metavar="NAME",
                    help="a further answer per prompt, under ids <id>~NAME (with --temperature > 0); the held-out "
                         "split follows the prompt")
-    s.add_argument("--heads", default=None, help="draft with these heads (MedusaModel, one prompt at a time)")
-    s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--seed", type=int, default=0)
+    _heads_args(s, "draft with these heads (MedusaModel, one prompt at a time)")
+    _threads_arg(s, None)
+    s.add_argument("--seed", type=int, default=0, help="seed of the --cap choice, the shuffle and the sampling")
     _prepack_arg(s)
     s.add_argument("--features", default=None, help="also keep the target's hidden states here (safetensors shards)")
-    s.set_defaults(fn=cmd_distill)
 
-    f = sub.add_parser("features", help="hidden-state features for distilled conversations that have none")
-    f.add_argument("--model", default=DEFAULT_MODEL)
-    f.add_argument("--data", required=True)
-    f.add_argument("--features", required=True)
+    f = command("features", "hidden-state features for distilled conversations that have none", cmd_features)
+    f.add_argument("--model", default=DEFAULT_MODEL, help="the target the conversations were distilled from")
+    f.add_argument("--data", required=True, help="distilled conversations (JSONL, from `medusa-heads distill`)")
+    f.add_argument("--features", required=True, help="folder of feature shards to add to")
     _prepack_arg(f)
-    f.add_argument("--threads", type=int, default=2)
-    f.set_defaults(fn=cmd_features)
+    _threads_arg(f, 2)
 
-    t = sub.add_parser("train", help="train heads on distilled data (a YAML recipe; --resume continues)")
-    t.add_argument("--config", default=None, help="recipe YAML (configs/train/...)")
-    t.add_argument("--data", default=None)
-    t.add_argument("--features", default=None)
-    t.add_argument("--out", default=None)
-    t.add_argument("--max-steps", dest="max_steps", type=int, default=None)
-    t.add_argument("--resume", action="store_true")
+    t = command("train", "train heads on distilled data (a YAML recipe; --resume continues)", cmd_train)
+    t.add_argument("--config", default=None, help="recipe YAML (configs/train/...; default: the recipe's defaults)")
+    t.add_argument("--data", default=None, help="distilled conversations (overrides the recipe's data)")
+    t.add_argument("--features", default=None, help="feature shards (overrides the recipe's features)")
+    t.add_argument("--out", default=None, help="heads directory to write (overrides the recipe's out)")
+    t.add_argument("--max-steps", dest="max_steps", type=positive, default=None, help="overrides the recipe's max_steps")
+    t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
-    t.add_argument("--threads", type=int, default=None)
-    t.set_defaults(fn=cmd_train)
+    _threads_arg(t, None)
 
-    c = sub.add_parser("calibrate", help="choose the fastest tree for these heads on this machine, and measure what "
-                                         "the per-step tree runs on (acceptance, prompt lookup, cost)")
-    c.add_argument("--heads", required=True)
-    c.add_argument("--parts", default="tree,acceptance,lookup,cost",
+    c = command("calibrate", "choose the fastest tree for these heads on this machine, and measure what the per-step "
+                             "tree runs on (acceptance, prompt lookup, cost)", cmd_calibrate)
+    _heads_args(c, "heads directory to calibrate (its config.json is rewritten)", required=True)
+    c.add_argument("--parts", default=",".join(PARTS),
                    help="what to measure: tree (the fixed tree, config.tree), acceptance, lookup, cost (config.adaptive; "
                         "cost is stored per kernels, beside the other kernels' entries)")
-    c.add_argument("--model", default=DEFAULT_MODEL)
-    c.add_argument("--data", default="data/distilled.jsonl")
-    c.add_argument("--features", default="data/features")
-    c.add_argument("--max-nodes", type=int, default=64)
-    c.add_argument("--topk", type=int, default=10)
-    c.add_argument("--context", type=int, default=300, help="cached tokens when timing the verify pass")
-    c.add_argument("--repeats", type=int, default=5, help="timed forwards per size (the median is used)")
-    c.add_argument("--overhead-ms", type=float, default=3.0, help="per-step Python work besides heads and verify")
-    c.add_argument("--accept-topk", type=int, default=8, help="candidates per head in the acceptance calibration and "
-                                                              "per parent when timing a drafting level")
-    c.add_argument("--lookup-tokens", type=int, default=10, help="prompt-lookup continuation length measured")
-    c.add_argument("--contexts", default="256,1024,4096", help="cached context lengths of the cost model")
+    c.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
+    c.add_argument("--data", default="data/distilled.jsonl", help="distilled conversations (the held-out split is used)")
+    c.add_argument("--features", default="data/features", help="their feature shards")
+    c.add_argument("--max-nodes", type=positive, default=CAL.max_nodes, help="largest tree considered")
+    c.add_argument("--topk", type=positive, default=CAL.topk, help="ranks per head considered for the tree")
+    c.add_argument("--context", type=positive, default=CAL.context, help="cached tokens when timing the verify pass")
+    c.add_argument("--repeats", type=positive, default=CAL.repeats, help="timed forwards per size (the median is used)")
+    c.add_argument("--overhead-ms", type=float, default=CAL.overhead_ms, help="per-step Python work besides heads and verify")
+    c.add_argument("--accept-topk", type=positive, default=CAL.accept_topk, help="candidates per head in the acceptance calibration "
+                                                                   "and per parent when timing a drafting level")
+    c.add_argument("--lookup-tokens", type=positive, default=CAL.lookup_tokens, help="prompt-lookup continuation length measured")
+    c.add_argument("--contexts", default=",".join(map(str, CAL.contexts)), help="cached context lengths of the cost model")
     c.add_argument("--report", default=None, help="folder for a calibration report (report.md, reliability.png)")
-    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's dtype")
     _prepack_arg(c)
-    c.add_argument("--device", default=None)
-    c.add_argument("--threads", type=int, default=2)
-    c.set_defaults(fn=cmd_calibrate)
+    c.add_argument("--device", default=None, help="device for the model, e.g. cuda (default: the CPU)")
+    _threads_arg(c, 2)
 
-    b = sub.add_parser("bench", help="hf vs prompt lookup vs medusa, same process, alternating order")
-    b.add_argument("--prompts", required=True)
-    b.add_argument("--model", default=DEFAULT_MODEL)
-    b.add_argument("--heads", default=None)
+    b = command("bench", "hf vs prompt lookup vs medusa, same process, alternating order", cmd_bench)
+    b.add_argument("--prompts", required=True, help='JSONL prompts: {"prompt": ...} or {"turns": [...]} per line, '
+                                                    'optionally with "category"')
+    b.add_argument("--model", default=DEFAULT_MODEL, help="the embedded default's name, a local HF directory or a hub id")
+    _heads_args(b, "heads directory (default: the shipped heads, if they fit the model; else untrained heads)")
     _prepack_arg(b)
-    b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's dtype")
     b.add_argument("--methods", default="hf,pld,medusa,medusa-static",
-                   help="hf, hf-stock (stock kernels), pld, medusa (as configured: the per-step tree for calibrated "
-                        "heads), medusa-static (the heads' fixed tree), medusa-preset, medusa:PRESET; a medusa method "
-                        "+ '+pldN' sets prompt lookup to N tokens ('+pld0': heads only; default: the heads' own)")
-    b.add_argument("--preset", default="cpu-16")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--do-sample", action="store_true")
-    b.add_argument("--temperature", type=float, default=0.7)
-    b.add_argument("--top-p", type=float, default=0.9)
-    b.add_argument("--limit", type=int, default=None)
+                   help="comma-separated: hf, hf-stock (stock kernels), pld (transformers' prompt lookup, 10 tokens), "
+                        "medusa (as configured: the per-step tree for calibrated heads, plus the heads' own prompt "
+                        "lookup), medusa-static (the heads' fixed tree), medusa-preset (--preset), medusa:PRESET; a "
+                        "medusa method + '+pldN' sets prompt lookup to N tokens ('+pld0': heads only, '+pld': 10); "
+                        "hf is always run (the reference)")
+    b.add_argument("--preset", default=DEFAULT_TREE, choices=list_presets(), help="the tree of medusa-preset")
+    b.add_argument("--max-new-tokens", type=positive, default=128, help="most tokens per answer")
+    _sampling_args(b)
+    b.add_argument("--limit", type=positive, default=None, help="use the first N prompts only (default: all)")
     b.add_argument("--batch-sizes", default=None, help="e.g. 1,4,8: batched greedy throughput, hf vs medusa, instead")
-    b.add_argument("--long-tokens", type=int, default=512,
+    b.add_argument("--long-tokens", type=non_negative, default=512,
                    help="also time one open-writing answer of this many new tokens, EOS ignored (0: skip)")
-    b.add_argument("--threads", type=int, default=2)
-    b.add_argument("--out", default="results")
-    b.set_defaults(fn=cmd_bench)
+    _threads_arg(b, 2)
+    b.add_argument("--out", default=None, help="folder for results.md, results.json, speedup.png "
+                                               "(default: a new runs/bench-YYYYmmdd-HHMMSS)")
 
-    e = sub.add_parser("export", help="write heads in another layout (--format vllm: what vLLM serves; medusa: the reference layout)")
-    e.add_argument("heads_dir")
-    e.add_argument("out")
-    e.add_argument("--format", choices=["vllm", "medusa"], default="medusa")
-    e.add_argument("--model", default=DEFAULT_MODEL)
-    e.set_defaults(fn=cmd_export)
+    e = command("export", "write heads in another layout (--format vllm: what vLLM serves; medusa: the reference layout)",
+                cmd_export)
+    e.add_argument("heads_dir", help="heads directory to export")
+    e.add_argument("out", help="folder to write the exported heads to")
+    e.add_argument("--format", choices=["vllm", "medusa"], default="medusa", help="the layout to write")
+    e.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
+    e.add_argument("--allow-base-mismatch", action="store_true",
+                   help="export heads trained for another base model of the same sizes")
+    return p
 
-    args = p.parse_args(argv)
-    args.fn(args)
 
+def _one_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run a command. A mistake (a missing file, a bad value, heads for another model) ends in one line on stderr
+    and a non-zero status; --debug shows the traceback instead. Ctrl-C: "interrupted", status 130."""
+    args = build_parser().parse_args(argv)
+    prog = f"medusa-heads {args.command}"
+    interrupted = False
+    try:
+        args.fn(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        interrupted = True  # said below, once the interrupted frames are gone (a progress bar closes its line first)
+    except SystemExit as e:  # the commands' own checks: SystemExit("message")
+        if isinstance(e.code, str):
+            if args.debug:
+                traceback.print_exc()
+            if not e.code.startswith(prog):
+                raise SystemExit(f"{prog}: {e.code}") from None
+        raise
+    except (ValueError, OSError) as e:  # the library's messages for a user's mistake (a bug still shows its traceback)
+        if args.debug:
+            raise
+        raise SystemExit(f"{prog}: {_one_line(e)}") from None
+    if interrupted:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(INTERRUPTED)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from medusa_heads.config import DEFAULT_TREE
 from medusa_heads.inference.prepack import is_prepacked, stock_kernels
 from medusa_heads.prompting import eos_ids, prompt_ids, prompt_text, user_turn
 from medusa_heads.training.data import PromptRow
@@ -41,11 +42,59 @@ def _peak_mb(device: torch.device) -> float:
     return float("nan")
 
 
+PLD_TOKENS = 10  # prompt lookup's continuation length: method "pld" and a bare "+pld"
+PLAIN_METHODS = ("hf", "hf-stock", "pld")
+MEDUSA_METHODS = ("medusa", "medusa-static", "medusa-preset")  # and medusa:PRESET; each may end in +pld / +pldN
+
+
+def parse_method(method: str) -> tuple[str, int | None]:
+    """A bench method -> (its name before any "+pld", prompt-lookup tokens: None = the heads' own lookup_tokens);
+    ValueError naming the valid methods for anything else."""
+    from medusa_heads.tree import list_presets
+
+    name, plus, lookup = method.partition("+pld")
+    medusa = name in MEDUSA_METHODS or (name.startswith("medusa:") and name.split(":", 1)[1] in list_presets())
+    if method in PLAIN_METHODS or (medusa and not plus):
+        return method, None
+    if medusa and (lookup == "" or lookup.isdigit()):
+        return name, PLD_TOKENS if lookup == "" else int(lookup)
+    raise ValueError(f"unknown bench method {method!r}; methods: {', '.join(PLAIN_METHODS + MEDUSA_METHODS)}, "
+                     f"medusa:PRESET (PRESET: {', '.join(list_presets())}), a medusa method + '+pldN' "
+                     f"(prompt lookup of N tokens; '+pld0': heads only)")
+
+
+def check_methods(methods: list[str]) -> list[str]:
+    """The methods to run, checked, without repeats, hf (the reference) first."""
+    methods = [m.strip() for m in methods if m.strip()]
+    for m in methods:
+        parse_method(m)
+    return list(dict.fromkeys(["hf", *methods]))
+
+
+def method_label(method: str, heads_lookup: int) -> str:
+    """What a method runs, for tables and charts: e.g. "medusa (heads + lookup 10)", "medusa+pld0 (heads only)"."""
+    name, lookup = parse_method(method)
+    if name == "hf":
+        return "hf"
+    if name == "hf-stock":
+        return "hf-stock (stock kernels)"
+    if name == "pld":
+        return f"pld (lookup {PLD_TOKENS})"
+    lookup = heads_lookup if lookup is None else lookup
+    return f"{method} ({'heads only' if lookup == 0 else f'heads + lookup {lookup}'})"
+
+
+def _sampling_text(sampling: dict | None) -> str:
+    if not sampling:
+        return "greedy"
+    return "sampling (" + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in sampling.items()) + ")"
+
+
 LONG_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. Take your time."
 
 
 def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_new_tokens: int = 128,
-              sampling: dict | None = None, preset: str = "cpu-16", long_tokens: int = 0) -> dict:
+              sampling: dict | None = None, preset: str = DEFAULT_TREE, long_tokens: int = 0) -> dict:
     """methods: hf, hf-stock, pld, medusa (as configured: the per-step tree for calibrated heads), medusa-static
     (the heads' fixed tree), medusa-preset (`preset`), medusa:NAME (preset NAME), each medusa method optionally
     with "+pld" / "+pldN" (prompt lookup of N tokens; "+pld0": heads only; default: the heads' lookup_tokens).
@@ -56,6 +105,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
     base = model.base_model
     device = base.device
     counter = ForwardCounter(base)
+    methods = check_methods(methods)
     configured, fixed = (ADAPTIVE if model.adaptive else model.tree), model.tree
     gen = dict(do_sample=False) if sampling is None else dict(do_sample=True, **sampling)
 
@@ -67,11 +117,11 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                 return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **gen), None
         if method == "pld":
             return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 prompt_lookup_num_tokens=10, **gen), None
-        name, with_lookup, lookup = method.partition("+pld")
+                                 prompt_lookup_num_tokens=PLD_TOKENS, **gen), None
+        name, lookup = parse_method(method)
         trees = {"medusa": configured, "medusa-static": fixed, "medusa-preset": preset}
         model.set_tree(trees[name] if name in trees else name.split(":", 1)[1])
-        extra = dict(prompt_lookup_num_tokens=int(lookup or 10)) if with_lookup else {}
+        extra = {} if lookup is None else dict(prompt_lookup_num_tokens=lookup)
         res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              return_dict_in_generate=True, **gen, **extra)
         return res.sequences, res.stats
@@ -156,7 +206,8 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         "by_category": {cat: summarise(v) for cat, v in sorted(acc.items())},
         "by_prompt": speedups,
         "long": {"max_new_tokens": long_tokens, "prompt": LONG_PROMPT, **long} if long else None,
-        "settings": {"max_new_tokens": max_new_tokens, "sampling": sampling, "prompts": len(rows),
+        "labels": {m: method_label(m, model.config.lookup_tokens) for m in methods},
+        "settings": {"model": base.name_or_path, "max_new_tokens": max_new_tokens, "sampling": sampling, "prompts": len(rows),
                      "tree": "adaptive" if configured == ADAPTIVE else f"fixed, {fixed.num_nodes} nodes",
                      "fixed_tree_nodes": fixed.num_nodes, "preset": preset,
                      "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype),
@@ -176,17 +227,19 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
     st = result["settings"]
-    title = (f"{'sampling ' + str(st['sampling']) if st['sampling'] else 'greedy'}, {st['prompts']} prompts, "
-             f"{st['max_new_tokens']} new tokens, {st['dtype'].removeprefix('torch.')} on {st['device']}, "
-             f"{'prepacked' if st['prepacked_linears'] else 'stock'} kernels, {st['threads']} threads")
-    lines = [f"# Benchmark: {title}", ""]
+    labels = {m: result.get("labels", {}).get(m, m) for m in methods}
+    title = (f"{st.get('model') or 'model'}: {st['max_new_tokens']} new tokens, {_sampling_text(st['sampling'])}, "
+             f"tree {st['tree']}")
+    details = (f"{st['prompts']} prompts, {st['dtype'].removeprefix('torch.')} on {st['device']}, "
+               f"{'prepacked' if st['prepacked_linears'] else 'stock'} kernels, {st['threads']} threads")
+    lines = [f"# Benchmark: {title}", "", f"{details}.", ""]
     header = "| category | method | tokens/s | tau | speed-up vs hf | mismatches | peak MB |"
     lines += [header, "|---|---|---|---|---|---|---|"]
     for cat, per in [("overall", result["overall"]), *result["by_category"].items()]:
         for m in methods:
             r = per[m]
             mm = "-" if r["mismatches_vs_hf"] is None else r["mismatches_vs_hf"]
-            lines.append(f"| {cat} | {m} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | {r['speedup_vs_hf']:.2f} | {mm} | {r['peak_memory_mb']:.0f} |")
+            lines.append(f"| {cat} | {labels[m]} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | {r['speedup_vs_hf']:.2f} | {mm} | {r['peak_memory_mb']:.0f} |")
     main = "medusa" if "medusa" in methods else methods[-1]
     cats = result["by_category"]
     if cats:
@@ -202,7 +255,7 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
                   "| method | tokens/s | tau | speed-up vs hf | same as hf |", "|---|---|---|---|---|"]
         for m in methods:
             r = lg[m]
-            lines.append(f"| {m} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | {r['speedup_vs_hf']:.2f} | {r['same_as_hf']} |")
+            lines.append(f"| {labels[m]} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | {r['speedup_vs_hf']:.2f} | {r['same_as_hf']} |")
     if "profile" in result:
         lines += ["", "Per-step profile of `medusa` (share of wall time): "
                   + ", ".join(f"{k} {v:.1%}" for k, v in result["profile"]["share_of_time"].items())]
@@ -218,15 +271,16 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     width = 0.8 / len(methods)
     for j, m in enumerate(methods):
         vals = [(result["overall"] if c == "overall" else result["by_category"][c])[m]["speedup_vs_hf"] for c in cats]
-        ax.bar([i + j * width for i in range(len(cats))], vals, width, label=m)
+        tau = result["overall"][m]["mean_accepted"]
+        ax.bar([i + j * width for i in range(len(cats))], vals, width, label=f"{labels[m]}: \u03c4 {tau:.2f}")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speed-up vs transformers generate")
-    ax.set_title(title, fontsize=8)
+    ax.set_title(f"{title}\n{details}", fontsize=8)
     for j, m in enumerate(methods):
         tau = result["overall"][m]["mean_accepted"]
-        ax.annotate(f"tau {tau:.2f}", (j * width, result["overall"][m]["speedup_vs_hf"]), fontsize=6, ha="center", va="bottom")
-    ax.legend()
+        ax.annotate(f"\u03c4 {tau:.2f}", (j * width, result["overall"][m]["speedup_vs_hf"]), fontsize=6, ha="center", va="bottom")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=100)
     plt.close(fig)
@@ -285,7 +339,7 @@ def run_batch_bench(model, tokenizer, rows: list[PromptRow], batch_sizes: list[i
                      "mean_accepted": acc["medusa"]["tokens"] / max(acc["medusa"]["row_forwards"], 1),
                      "mismatched_rows": mismatches, "rows": n}
     counter.handle.remove()
-    return {"by_batch": out, "settings": {"max_new_tokens": max_new_tokens, "prompts": n, "tree_nodes": model.tree.num_nodes,
+    return {"by_batch": out, "settings": {"model": base.name_or_path, "max_new_tokens": max_new_tokens, "prompts": n, "tree_nodes": model.tree.num_nodes,
                                           "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype)}}
 
 
@@ -293,7 +347,11 @@ def write_batch_results(result: dict, out: str | Path) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Batched greedy throughput ({result['settings']})", "",
+    st = result["settings"]
+    title = (f"{st.get('model') or 'model'}: {st['max_new_tokens']} new tokens, greedy, batched, "
+             f"{st['tree_nodes']}-node tree")
+    lines = [f"# Batched throughput: {title}", "",
+             f"{st['prompts']} prompts, {st['dtype'].removeprefix('torch.')} on {st['device']}, {st['threads']} threads.", "",
              "| batch | hf tokens/s | medusa tokens/s | speed-up | tau per row | mismatched rows |", "|---|---|---|---|---|---|"]
     for b, r in result["by_batch"].items():
         lines.append(f"| {b} | {r['hf_tokens_per_s']:.1f} | {r['medusa_tokens_per_s']:.1f} | {r['speedup_vs_hf']:.2f} | "
@@ -310,6 +368,7 @@ def write_batch_results(result: dict, out: str | Path) -> None:
     ax.plot([int(s) for s in sizes], [result["by_batch"][s]["speedup_vs_hf"] for s in sizes], "o-")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("batch size")
+    ax.set_title(title, fontsize=8)
     ax.set_ylabel("speed-up vs transformers generate")
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=100)

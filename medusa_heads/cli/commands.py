@@ -1,36 +1,125 @@
-"""The bodies of the medusa-heads commands; medusa_heads.cli holds their arguments."""
+"""The bodies of the medusa-heads commands; medusa_heads.cli holds their arguments.
+
+Each command checks its arguments and files before it loads a model, and says why it stops in one line
+(SystemExit("...") here; the library's ValueError / OSError are cut to one line by medusa_heads.cli.main)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
-from medusa_heads.prompting import prompt_ids
+from medusa_heads.default_model import DEFAULT_MODEL
+from medusa_heads.prompting import has_chat_template, prompt_ids
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DEFAULT_TEMPERATURE = 0.7  # every command that samples
+DEFAULT_TOP_P = 0.9
+
+
+def _note(message: str) -> None:
+    print(f"medusa-heads: {message}", file=sys.stderr)
+
+
+def _check_model(name: str) -> None:
+    """Refuse a --model that names a local directory which is not there (a hub id is left to the hub)."""
+    if name == DEFAULT_MODEL:
+        return
+    path = Path(name).expanduser()
+    looks_local = name.startswith((os.sep, ".", "~")) or name.count("/") > 1 or (os.altsep and os.altsep in name)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"--model {name}: holds no config.json; give a model directory saved by transformers "
+                             f"(save_pretrained), a hub id, or {DEFAULT_MODEL!r} (the embedded default)")
+    elif looks_local:
+        raise SystemExit(f"--model {name}: no such directory; give a model directory saved by transformers, a hub id, "
+                         f"or {DEFAULT_MODEL!r} (the embedded default)")
+
+
+def _check_heads(path: str | None, flag: str = "--heads") -> None:
+    """Refuse a heads directory that is missing or holds no heads, before any model loads."""
+    if path is None:
+        return
+    from medusa_heads.checkpoint import CONFIG_NAME, REFERENCE_WEIGHTS, WEIGHTS_NAME
+
+    d = Path(path)
+    train = f"train heads with `medusa-heads train --out {path}`"
+    if not d.is_dir():
+        shipped = ", or leave out --heads for the shipped ones" if flag == "--heads" else ""
+        raise SystemExit(f"{flag} {path}: no such directory; {train}{shipped}")
+    if not (d / CONFIG_NAME).is_file() or not ((d / WEIGHTS_NAME).is_file() or (d / REFERENCE_WEIGHTS).is_file()):
+        raise SystemExit(f"{flag} {path}: holds no heads ({CONFIG_NAME} + {WEIGHTS_NAME}, or the reference "
+                         f"{REFERENCE_WEIGHTS}); {train}")
+
+
+def _check_file(path: str, flag: str) -> None:
+    if not Path(path).is_file():
+        raise SystemExit(f"{flag} {path}: no such file" if not Path(path).exists() else f"{flag} {path}: not a file")
+
+
+def _read_prompts(path: str):
+    """The prompt rows of --prompts; refuses a missing or empty file (a malformed line: ValueError naming file:line)."""
+    from medusa_heads.training.data import read_prompts
+
+    _check_file(path, "--prompts")
+    rows = read_prompts(path)
+    if not rows:
+        raise SystemExit(f'--prompts {path}: no prompts in it; write one JSON object per line, {{"prompt": "..."}} '
+                         f'or {{"turns": ["...", "..."]}}')
+    return rows
+
+
+def _load_tokenizer(name: str):
+    """The tokenizer, loaded before the model (it is quick and fails quickly); says once if prompts are plain text."""
+    from medusa_heads.loading import load_tokenizer
+
+    tok = load_tokenizer(name)
+    if not has_chat_template(tok):
+        _note(f"{name}'s tokenizer has no chat template: prompts are plain text (turns joined by blank lines)")
+    return tok
 
 
 def _load_base(name: str, dtype: str = "fp32", prepack: bool = True):
     """The model (CPU) and its tokenizer; with `prepack`, its linears run through oneDNN where this CPU can."""
     import torch
 
-    from medusa_heads.loading import load_base, load_tokenizer
+    from medusa_heads.loading import load_base
 
-    return load_base(name, dtype=getattr(torch, DTYPES[dtype]), prepack=None if prepack else False), load_tokenizer(name)
+    _check_model(name)
+    tok = _load_tokenizer(name)
+    return load_base(name, dtype=getattr(torch, DTYPES[dtype]), prepack=None if prepack else False), tok
 
 
 def _load_medusa(args: argparse.Namespace):
-    """Base model, tokenizer and MedusaModel for the generating commands (--model, --heads, --tree)."""
+    """Base model, tokenizer and MedusaModel for the generating commands (--model, --heads, --tree); says when the
+    heads are untrained."""
     import torch
 
-    from medusa_heads.loading import load_tokenizer
     from medusa_heads.model import MedusaModel
 
+    _check_model(args.model)
+    _check_heads(args.heads)
+    tok = _load_tokenizer(args.model)
     # from_pretrained prepacks (where this CPU can) after merging a Medusa-2 adapter into the base, heads too
     model = MedusaModel.from_pretrained(args.model, heads=args.heads or "auto", tree=getattr(args, "tree", None),
+                                        allow_base_mismatch=args.allow_base_mismatch,
                                         dtype=getattr(torch, DTYPES[args.dtype]), prepack=None if args.prepack else False)
-    return model, load_tokenizer(args.model)
+    if not model.config.extra:  # trained heads record their recipe and training; new heads record nothing
+        where = f"{args.heads} holds" if args.heads else f"no shipped heads fit {args.model}, so it runs with"
+        _note(f"untrained heads: {where} zero-initialised heads; tau will be near 1.0; train heads with `medusa-heads train`")
+    return model, tok
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    """generate()'s sampling arguments; seeds torch's generator when sampling."""
+    import torch
+
+    if not args.do_sample:
+        return {"do_sample": False}
+    torch.manual_seed(args.seed)
+    return {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -39,35 +128,39 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model, tok = _load_medusa(args)
     ids = prompt_ids(tok, args.prompt)
     t = time.perf_counter()
-    res = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                         top_p=args.top_p, return_dict_in_generate=True, streamer=TextStreamer(tok, skip_prompt=True))
+    res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
+                         streamer=TextStreamer(tok, skip_prompt=True), **_sampling(args))
     dt = time.perf_counter() - t
     print(f"\n[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    """Interactive chat with the chat template; replies stream as they are accepted, then tokens/s and tau."""
+    """Interactive chat with the chat template; replies stream as they are accepted, then tokens/s and tau.
+    An empty line, Ctrl-D or Ctrl-C ends it."""
     from transformers import TextStreamer
 
     model, tok = _load_medusa(args)
     messages: list[dict] = []
-    print("medusa-heads chat: empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
-            break
-        if not line:
-            break
-        messages.append({"role": "user", "content": line})
-        ids = prompt_ids(tok, messages)
-        t = time.perf_counter()
-        sampling = dict(do_sample=True, temperature=args.temperature) if args.do_sample else {}
-        res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
-                             streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True), **sampling)
-        dt = time.perf_counter() - t
-        messages.append({"role": "assistant", "content": tok.decode(res.sequences[0, ids.shape[1]:], skip_special_tokens=True)})
-        print(f"[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
+    print("medusa-heads chat: empty line, Ctrl-D or Ctrl-C to quit", file=sys.stderr)
+    sampling = _sampling(args)
+    try:
+        while True:
+            try:
+                line = input("> ").strip()
+            except EOFError:
+                break
+            if not line:
+                break
+            messages.append({"role": "user", "content": line})
+            ids = prompt_ids(tok, messages)
+            t = time.perf_counter()
+            res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
+                                 streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True), **sampling)
+            dt = time.perf_counter() - t
+            messages.append({"role": "assistant", "content": tok.decode(res.sequences[0, ids.shape[1]:], skip_special_tokens=True)})
+            print(f"[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # end the line the prompt or the reply left open
 
 
 DEMO_PROMPTS = [
@@ -129,25 +222,30 @@ def cmd_distill(args: argparse.Namespace) -> None:
     import torch
 
     from medusa_heads.model import MedusaModel
-    from medusa_heads.training.data import as_variant, read_prompts, subsample
+    from medusa_heads.training.data import as_variant, subsample
     from medusa_heads.training.distill import distill
 
     if args.variant and args.temperature <= 0:
         raise SystemExit("--variant asks for a further answer to each prompt: give it a --temperature > 0, "
                          "or it would repeat the greedy answers")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     caps = {}
     for c in args.cap:
         source, _, n = c.partition("=")
         if not n.isdigit():
             raise SystemExit(f"--cap expects SOURCE=N, got {c!r}")
         caps[source] = int(n)
-    rows = subsample(read_prompts(args.prompts), caps, seed=args.seed)[: args.limit]
+    if Path(args.out).is_dir():
+        raise SystemExit(f"--out {args.out}: is a directory; give the JSONL file to append conversations to")
+    rows = subsample(_read_prompts(args.prompts), caps, seed=args.seed)[: args.limit]
+    if not rows:
+        raise SystemExit(f"--cap {' --cap '.join(args.cap)} leaves none of the prompts in {args.prompts}")
     if args.variant:
         rows = as_variant(rows, args.variant)
+    _check_heads(args.heads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     base, tok = _load_base(args.model, prepack=args.prepack)
-    medusa = MedusaModel.from_pretrained(base, heads=args.heads) if args.heads else None
+    medusa = MedusaModel.from_pretrained(base, heads=args.heads, allow_base_mismatch=args.allow_base_mismatch) if args.heads else None
     counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                      temperature=args.temperature, medusa=medusa, seed=args.seed, features=args.features)
     print(f"distill: {counts}", file=sys.stderr)
@@ -159,9 +257,11 @@ def cmd_features(args: argparse.Namespace) -> None:
     from medusa_heads.training.data import read_conversations
     from medusa_heads.training.features import features_from_conversations
 
+    _check_file(args.data, "--data")
+    conversations = read_conversations(args.data)
     torch.set_num_threads(args.threads)
     base, tok = _load_base(args.model, prepack=args.prepack)
-    n = features_from_conversations(base, tok, read_conversations(args.data), args.features)
+    n = features_from_conversations(base, tok, conversations, args.features)
     print(f"features: added {n} conversations to {args.features}", file=sys.stderr)
 
 
@@ -171,6 +271,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from medusa_heads.training.recipe import TrainRecipe
     from medusa_heads.training.trainer import train
 
+    if args.config is not None:
+        _check_file(args.config, "--config")
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = list(args.set)
@@ -183,173 +285,82 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    """Measure on held-out data and this machine, and write into the heads' config: the fixed tree that maximises
-    predicted tokens/s (part "tree"), and what the per-step tree runs on (config.adaptive): calibrated acceptance
-    ("acceptance"), prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost")."""
+    """Measure on held-out data and this machine, and write into the heads' config (medusa_heads.calibration)."""
     import torch
 
-    from medusa_heads.checkpoint import load_config, save_config
-    from medusa_heads.inference.prepack import is_prepacked
+    from medusa_heads.calibration import Settings, calibrate, held_out_conversations
+    from medusa_heads.loading import load_tokenizer
     from medusa_heads.model import MedusaModel
     from medusa_heads.training.data import read_conversations
-    from medusa_heads.training.features import load_segments
-    from medusa_heads.training.data import is_eval
-    from medusa_heads.tree.adaptive import kernels_key
-    from medusa_heads.calibration.measure import PARTS, calibrate_acceptance, candidate_samples, choose_tree, correct_ranks, draft_latency
-    from medusa_heads.calibration.measure import lookup_acceptance, measure_cost, merge_adaptive, tokenized_answers, verify_latency
-    from medusa_heads.tree.calibrate import rank_paths
+
+    from medusa_heads.calibration import PARTS
 
     parts = [p for p in args.parts.split(",") if p]
     if not parts or set(parts) - set(PARTS):
         raise SystemExit(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {args.parts!r}")
+    _check_heads(args.heads)
+    _check_file(args.data, "--data")
+    _check_model(args.model)
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, DTYPES[args.dtype])
-    config = load_config(args.heads)
+    conversations = held_out_conversations(read_conversations(args.data), args.heads)
     prepack = args.prepack and args.device in (None, "cpu")
-    model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=dtype, device_map=args.device, prepack=prepack)
-    fraction = config.extra.get("recipe", {}).get("eval_fraction", 0.05)
-    conversations = [c for c in read_conversations(args.data) if is_eval(c["id"], fraction)]
-    if not conversations:
-        raise SystemExit(f"no held-out conversations (eval fraction {fraction}) in {args.data}")
-    held_out = []
-    if {"tree", "acceptance"} & set(parts):
-        ids = {c["id"] for c in conversations}
-        held_out = load_segments(args.features, keep_ids=ids)
-        if not held_out:
-            raise SystemExit(f"no features for the {len(ids)} held-out conversations of {args.data} in {args.features} "
-                             f"(compute them with: medusa-heads features --data ... --features {args.features})")
-    details = {}
-    if "tree" in parts:
-        ranks = correct_ranks(model.heads, held_out, topk=args.topk)
-        paths = rank_paths(ranks)
-        latency = verify_latency(model.target, list(range(1, args.max_nodes + 2)), context=args.context, repeats=args.repeats)
-        t_heads = lambda spec: draft_latency(model.heads, spec)  # noqa: E731
-        t_overhead = args.overhead_ms / 1000
-        result = choose_tree(paths, latency, t_heads, t_overhead, args.max_nodes)
-        best = result["best"]
-        print(f"held-out positions: {len(ranks)}; drafting the chosen tree {1000 * best['draft_s']:.1f} ms; t(1) {1000 * latency[1]:.1f} ms")
-        print(f"{'nodes':>6}{'tau':>7}{'verify ms':>11}{'pred tok/s':>12}{'pred speed-up':>15}")
-        for row in result["table"]:
-            if row["nodes"] in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) or row is best:
-                print(f"{row['nodes']:>6}{row['tau']:>7.2f}{1000 * latency[row['nodes'] + 1]:>11.1f}{row['tokens_per_s']:>12.1f}{row['speedup']:>15.2f}")
-        print(f"chosen: {best['nodes']} nodes, predicted tau {best['tau']:.2f}, predicted speed-up {best['speedup']:.2f}")
-        config.tree = best["paths"]
-        config.extra["calibration"] = {
-            "nodes": best["nodes"], "predicted_tau": best["tau"], "predicted_speedup": best["speedup"],
-            "dtype": args.dtype, "device": str(model.base_model.device), "threads": args.threads, "prepack": prepack,
-            "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * best["draft_s"],
-            "overhead_ms": args.overhead_ms, "held_out_positions": len(ranks),
-        }
-    acceptance = lookup = cost = None
-    if "acceptance" in parts:
-        acceptance, details["acceptance"] = calibrate_acceptance(candidate_samples(model.heads, held_out, topk=args.accept_topk))
-        print(_acceptance_table(details["acceptance"]))
-    if "lookup" in parts:
-        from transformers import AutoTokenizer
-
-        from medusa_heads.default_model import resolve_model
-
-        tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
-        answers = tokenized_answers(tok, conversations)
-        lookup, details["lookup"] = lookup_acceptance(answers, max_tokens=args.lookup_tokens)
-        dense, details["lookup"]["every_position"] = lookup_acceptance(answers, args.lookup_tokens, every_position=True)
-        details["lookup"]["every_position"]["rates"] = [list(r) for r in dense.rates]
-        print(_lookup_table(details["lookup"], lookup))
-    if "cost" in parts:
-        import os
-
-        key = kernels_key(model.base_model, is_prepacked(model.base_model))
-        contexts = tuple(int(c) for c in args.contexts.split(","))
-        load = os.getloadavg()[0]  # other work on the machine slows every timing: kept beside them
-        cost = (key, measure_cost(model.target, model.heads, contexts=contexts, repeats=args.repeats,
-                                  topk=args.accept_topk, overhead_ms=args.overhead_ms))
-        details["cost"] = {key: {"threads": args.threads, "repeats": args.repeats, "parents": 4, "topk": args.accept_topk,
-                                 "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}}
-        print(_cost_table(*cost))
-    if acceptance or lookup or cost:
-        config.adaptive = merge_adaptive(config.adaptive, acceptance, lookup, cost)
-        old = config.extra.get("adaptive_calibration", {})
-        config.extra["adaptive_calibration"] = {**old, **{k: _brief(k, v) for k, v in details.items() if k != "cost"}}
-        if "cost" in details:
-            config.extra["adaptive_calibration"]["cost"] = {**old.get("cost", {}), **details["cost"]}
-    save_config(args.heads, config)
-    if args.report:
-        from medusa_heads.calibration.report import write_report
-
-        out = write_report(config, details, args.report)
-        print(f"report written to {out}", file=sys.stderr)
-
-
-def _brief(part: str, detail: dict) -> dict:
-    """What the heads' config keeps of a part's measurement (the report keeps all of it)."""
-    if part == "acceptance":
-        return {"method": detail["method"], "summary": detail["summary"], "held_out_positions": detail["held_out_positions"],
-                "temperatures": [r["T"] for r in detail["depths"]]}
-    return {k: detail[k] for k in ("roots", "matched", "max_tokens", "max_ngram", "min_ngram", "walk")}
-
-
-def _acceptance_table(detail: dict) -> str:
-    lines = [f"acceptance given the parent accepted, second half of the held-out conversations (fitted on the first); "
-             f"stored: {detail['method']}",
-             f"{'depth':>6}{'cands':>9}{'observed':>10}{'raw':>8}{'isotonic':>10}{'temp.':>8}{'T':>6}"
-             f"{'logloss raw':>13}{'iso':>8}{'temp.':>8}"]
-    for r in detail["depths"]:
-        lines.append(f"{r['depth']:>6}{r['test_positions'] * r['topk']:>9}{r['observed']:>10.3f}{r['raw']['mean']:>8.3f}"
-                     f"{r['isotonic']['mean']:>10.3f}{r['temperature']['mean']:>8.3f}{r['T']:>6.2f}"
-                     f"{r['raw']['log_loss']:>13.4f}{r['isotonic']['log_loss']:>8.4f}{r['temperature']['log_loss']:>8.4f}")
-    s = detail["summary"]
-    lines.append(f"{'all':>6}{'':>63}{s['raw']['log_loss']:>13.4f}{s['isotonic']['log_loss']:>8.4f}{s['temperature']['log_loss']:>8.4f}")
-    return "\n".join(lines)
-
-
-def _lookup_table(detail: dict, lookup) -> str:
-    lines = [f"prompt lookup: {detail['roots']} roots ({detail['walk']}); acceptance of token j given j - 1 accepted, "
-             "by matched n-gram",
-             f"{'n':>3}{'matched':>9}" + "".join(f"{'j=' + str(j + 1):>7}" for j in range(detail["max_tokens"]))]
-    for n, matched, row in zip(lookup.ngrams, detail["matched"], lookup.rates):
-        lines.append(f"{n:>3}{matched:>9}" + "".join(f"{x:>7.3f}" for x in row))
-    return "\n".join(lines)
-
-
-def _cost_table(key: str, cost) -> str:
-    lines = [f"verify ms ({key}); one drafting level {cost.draft_ms:.2f} ms, overhead {cost.overhead_ms:.1f} ms",
-             f"{'size':>5}" + "".join(f"{'ctx ' + str(c):>11}" for c in cost.contexts)]
-    for s, size in enumerate(cost.sizes):
-        lines.append(f"{size:>5}" + "".join(f"{row[s]:>11.1f}" for row in cost.ms))
-    return "\n".join(lines)
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=getattr(torch, DTYPES[args.dtype]),
+                                        device_map=args.device, prepack=None if prepack else False,
+                                        allow_base_mismatch=args.allow_base_mismatch)
+    settings = Settings(max_nodes=args.max_nodes, topk=args.topk, context=args.context, repeats=args.repeats,
+                        overhead_ms=args.overhead_ms, accept_topk=args.accept_topk, lookup_tokens=args.lookup_tokens,
+                        contexts=tuple(int(c) for c in args.contexts.split(",")))
+    calibrate(model, load_tokenizer(args.model), args.heads, parts, conversations,
+              args.features, settings, args.report)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
-    from medusa_heads.cli.bench import run_batch_bench, run_bench, write_batch_results, write_results
-    from medusa_heads.training.data import read_prompts
+    from medusa_heads.cli.bench import check_methods, run_batch_bench, run_bench, write_batch_results, write_results
 
+    rows = _read_prompts(args.prompts)[: args.limit]
+    out = Path(args.out or time.strftime("runs/bench-%Y%m%d-%H%M%S"))
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"--out {out}: is a file; give a folder for the results")
+    if args.batch_sizes:
+        if args.do_sample:
+            raise SystemExit("--batch-sizes measures greedy throughput: leave out --do-sample")
+        try:
+            sizes = [int(b) for b in args.batch_sizes.split(",")]
+        except ValueError:
+            raise SystemExit(f"--batch-sizes takes comma-separated positive integers, e.g. 1,4,8; got {args.batch_sizes!r}") from None
+        if min(sizes) < 1:
+            raise SystemExit(f"--batch-sizes takes positive integers, got {args.batch_sizes!r}")
+        if len(rows) < max(sizes):
+            raise SystemExit(f"--batch-sizes {args.batch_sizes} needs at least {max(sizes)} prompts, {args.prompts} "
+                             f"gives {len(rows)}")
+    else:
+        methods = check_methods(args.methods.split(","))
     torch.set_num_threads(args.threads)
     model, tok = _load_medusa(args)
-    rows = read_prompts(args.prompts)[: args.limit]
-    if args.batch_sizes:
-        result = run_batch_bench(model, tok, rows, [int(b) for b in args.batch_sizes.split(",")], args.max_new_tokens)
-        write_batch_results(result, args.out)
-        print((__import__("pathlib").Path(args.out) / "results.md").read_text())
-        return
-    methods = args.methods.split(",")
-    if "hf" not in methods:
-        methods = ["hf", *methods]
-    sampling = dict(temperature=args.temperature, top_p=args.top_p) if args.do_sample else None
-    if sampling is not None:
-        torch.manual_seed(0)
-    result = run_bench(model, tok, rows, methods, args.max_new_tokens, sampling, preset=args.preset,
-                       long_tokens=args.long_tokens)
     cal = model.config.extra.get("calibration")
-    if cal:
-        result["predicted"] = {"tau": cal["predicted_tau"], "speedup": cal["predicted_speedup"]}
-    write_results(result, args.out, methods)
-    print((__import__("pathlib").Path(args.out) / "results.md").read_text())
-    if cal:
+    if args.batch_sizes:
+        result = run_batch_bench(model, tok, rows, sizes, args.max_new_tokens)
+        write_batch_results(result, out)
+    else:
+        sampling = dict(temperature=args.temperature, top_p=args.top_p) if args.do_sample else None
+        if sampling is not None:
+            torch.manual_seed(args.seed)
+        result = run_bench(model, tok, rows, methods, args.max_new_tokens, sampling, preset=args.preset,
+                           long_tokens=args.long_tokens)
+        result["settings"]["model"] = args.model
+        if sampling is not None:
+            result["settings"]["seed"] = args.seed
+        if cal:
+            result["predicted"] = {"tau": cal["predicted_tau"], "speedup": cal["predicted_speedup"]}
+        write_results(result, out, methods)
+    print((out / "results.md").read_text())
+    if cal and not args.batch_sizes and "medusa" in methods:
         m = result["overall"]["medusa"]
         print(f"calibrated tree: predicted tau {cal['predicted_tau']:.2f} / speed-up {cal['predicted_speedup']:.2f}; "
               f"measured tau {m['mean_accepted']:.2f} / speed-up {m['speedup_vs_hf']:.2f}")
+    print(f"results written to {out}", file=sys.stderr)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -358,12 +369,12 @@ def cmd_export(args: argparse.Namespace) -> None:
     from medusa_heads.checkpoint import export_reference, export_vllm, is_reference_dir, load_config, vllm_exportable
     from medusa_heads.model import MedusaModel
 
-    try:
-        if args.format == "vllm" and not is_reference_dir(args.heads_dir):
-            vllm_exportable(load_config(args.heads_dir))  # refuse before loading the model
-        model = MedusaModel.from_pretrained(args.model, heads=args.heads_dir, prepack=False)
-        export = export_vllm if args.format == "vllm" else export_reference
-        out = export(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"medusa-heads export: {e}") from None
+    _check_heads(args.heads_dir, flag="heads directory")
+    _check_model(args.model)
+    if args.format == "vllm" and not is_reference_dir(args.heads_dir):
+        vllm_exportable(load_config(args.heads_dir))  # refuse before loading the model
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads_dir, prepack=False,
+                                        allow_base_mismatch=args.allow_base_mismatch)
+    export = export_vllm if args.format == "vllm" else export_reference
+    out = export(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)
     print(f"exported to {out}", file=sys.stderr)
