@@ -26,6 +26,7 @@ def distill(
     max_new_tokens: int = 256,
     batch_size: int = 16,
     temperature: float = 0.0,
+    top_p: float = 1.0,
     max_prompt_tokens: int = 1024,
     medusa=None,
     seed: int = 0,
@@ -46,7 +47,7 @@ def distill(
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    sample = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else dict(do_sample=False)
+    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
     counts = {"done_before": len(done), "written": 0, "skipped_too_long": 0}
     # Sort by prompt length within windows of 16 batches, so that a batch pads little while a partial run
     # still covers the (shuffled) input evenly.

@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=_float(0.0), default=0.0,
                    help=f"0: the target's greedy answers (what heads are trained on); > 0: sampled answers "
                         f"(e.g. {DEFAULT_TEMPERATURE}, with --variant)")
+    s.add_argument("--top-p", type=_float(0.0, 1.0, low_open=True), default=1.0,
+                   help="nucleus of the sampled answers (1.0: the model's own distribution, which distillation wants)")
     s.add_argument("--variant", default=None, metavar="NAME",
                    help="a further answer per prompt, under ids <id>~NAME (with --temperature > 0); the held-out "
                         "split follows the prompt")

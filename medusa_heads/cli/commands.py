@@ -247,7 +247,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
     base, tok = _load_base(args.model, prepack=args.prepack)
     medusa = MedusaModel.from_pretrained(base, heads=args.heads, allow_base_mismatch=args.allow_base_mismatch) if args.heads else None
     counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                     temperature=args.temperature, medusa=medusa, seed=args.seed, features=args.features)
+                     temperature=args.temperature, top_p=args.top_p, medusa=medusa, seed=args.seed,
+                     features=args.features)
     print(f"distill: {counts}", file=sys.stderr)
 
 
