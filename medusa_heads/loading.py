@@ -11,14 +11,27 @@ from medusa_heads.default_model import DEFAULT_MODEL, resolve_model
 from medusa_heads.inference.prepack import prepack_linears, prepack_supported
 
 
+def check_model_name(name: str | os.PathLike) -> None:
+    """Refuse, before anything loads, a model name that names a local directory which is not there or holds no
+    config.json (the embedded default's name and hub ids pass; the hub answers for those)."""
+    text = str(name)
+    if text == DEFAULT_MODEL:
+        return
+    path = Path(text).expanduser()
+    looks_local = text.startswith((os.sep, ".", "~")) or text.count("/") > 1 or bool(os.altsep and os.altsep in text)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{text}: holds no config.json; give a model directory saved by transformers "
+                                    f"(save_pretrained), a hub id, or {DEFAULT_MODEL!r} (the embedded default)")
+    elif looks_local:
+        raise FileNotFoundError(f"{text}: no such directory; give a model directory saved by transformers, a hub id, "
+                                f"or {DEFAULT_MODEL!r} (the embedded default)")
+
+
 def _source(name: str | os.PathLike) -> str | Path:
-    """The default model's name -> its converted directory; a directory must hold a config.json; else a hub id."""
-    source = resolve_model(str(name))
-    if isinstance(source, str) and (os.sep in source or source.startswith(".")) and Path(source).exists() \
-            and not (Path(source) / "config.json").is_file():
-        raise FileNotFoundError(f"{source} holds no config.json: give a model directory saved by transformers, a hub "
-                                f"id, or {DEFAULT_MODEL!r} (the embedded default)")
-    return source
+    """The default model's name -> its converted directory; anything else, checked, as given."""
+    check_model_name(name)
+    return resolve_model(str(name))
 
 
 def load_base(name: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,

@@ -5,12 +5,10 @@ Each command checks its arguments and files before it loads a model, and says wh
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-from medusa_heads.default_model import DEFAULT_MODEL
 from medusa_heads.prompting import has_chat_template, prompt_ids
 
 
@@ -25,17 +23,12 @@ def _note(message: str) -> None:
 
 def _check_model(name: str) -> None:
     """Refuse a --model that names a local directory which is not there (a hub id is left to the hub)."""
-    if name == DEFAULT_MODEL:
-        return
-    path = Path(name).expanduser()
-    looks_local = name.startswith((os.sep, ".", "~")) or name.count("/") > 1 or (os.altsep and os.altsep in name)
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise SystemExit(f"--model {name}: holds no config.json; give a model directory saved by transformers "
-                             f"(save_pretrained), a hub id, or {DEFAULT_MODEL!r} (the embedded default)")
-    elif looks_local:
-        raise SystemExit(f"--model {name}: no such directory; give a model directory saved by transformers, a hub id, "
-                         f"or {DEFAULT_MODEL!r} (the embedded default)")
+    from medusa_heads.loading import check_model_name
+
+    try:
+        check_model_name(name)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--model {e}") from None
 
 
 def _check_heads(path: str | None, flag: str = "--heads") -> None:
