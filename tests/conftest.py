@@ -52,3 +52,20 @@ def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
     from medusa_heads.prompting import prompt_ids
 
     return prompt_ids(tokenizer, prompt)
+
+
+def distilled_tiny_base(root, tokenizer, seed: int, prompts: list[str], max_new_tokens: int, batch_size: int):
+    """A tiny Llama with `tokenizer`, saved as an HF directory under root/base, and root/d.jsonl: its own answers to
+    `prompts` (root/p.jsonl). Returns the (unsaved twin) model."""
+    import json
+
+    from medusa_heads.training.data import read_prompts
+    from medusa_heads.training.distill import distill
+
+    tiny_model("llama", seed=seed, vocab_size=len(tokenizer)).save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    (root / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    base = tiny_model("llama", seed=seed, vocab_size=len(tokenizer))
+    distill(base, tokenizer, read_prompts(root / "p.jsonl"), root / "d.jsonl", max_new_tokens=max_new_tokens,
+            batch_size=batch_size)
+    return base

@@ -16,7 +16,7 @@ from medusa_heads.training.features import Segment, answer_segments, next_shard_
 from medusa_heads.training.recipe import TrainRecipe
 from medusa_heads.training.trainer import train
 
-from conftest import tiny_model
+from conftest import distilled_tiny_base, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -424,16 +424,9 @@ def test_kill_9_of_distill_mid_line_then_rerun_loses_and_repeats_nothing(tmp_pat
 @pytest.fixture(scope="module")
 def joint_data(tmp_path_factory, real_base):
     """A tiny base with the real tokenizer, saved as an HF directory, and 12 answers it distilled itself."""
-    from medusa_heads.training import distill as distill_mod
-
     _, tok = real_base
     root = tmp_path_factory.mktemp("joint")
-    tiny_model("llama", seed=1, vocab_size=len(tok)).save_pretrained(root / "base")
-    tok.save_pretrained(root / "base")
-    prompts = root / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about number {i}."}) + "\n" for i in range(12)))
-    base = tiny_model("llama", seed=1, vocab_size=len(tok))
-    distill_mod.distill(base, tok, read_prompts(prompts), root / "d.jsonl", max_new_tokens=24, batch_size=6)
+    distilled_tiny_base(root, tok, 1, [f"Tell me about number {i}." for i in range(12)], max_new_tokens=24, batch_size=6)
     return root
 
 

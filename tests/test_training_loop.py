@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from medusa_heads.training import features as features_mod
-from medusa_heads.training.data import read_conversations, read_prompts
+from medusa_heads.training.data import read_conversations
 from medusa_heads.training.features import feature_ids, features_from_conversations, load_segments
 from medusa_heads.training.recipe import TrainRecipe
 from medusa_heads.training.trainer import train
 
-from conftest import tiny_model
+from conftest import distilled_tiny_base
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +23,10 @@ def distilled(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from medusa_heads import default_model_path
-    from medusa_heads.training import distill as distill_mod
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
     root = tmp_path_factory.mktemp("distilled")
-    tiny_model("llama", seed=2, vocab_size=len(tok)).save_pretrained(root / "base")
-    tok.save_pretrained(root / "base")
-    prompts = root / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(8)))
-    base = tiny_model("llama", seed=2, vocab_size=len(tok))
-    distill_mod.distill(base, tok, read_prompts(prompts), root / "d.jsonl", max_new_tokens=16, batch_size=4)
+    base = distilled_tiny_base(root, tok, 2, [f"Count to {i}." for i in range(8)], max_new_tokens=16, batch_size=4)
     return root, base, tok
 
 
