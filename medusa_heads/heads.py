@@ -100,13 +100,29 @@ class MedusaHeads(nn.Module):
                 f"{(*h.shape[:-1], width)} (root first), got {None if context is None else tuple(context.shape)}"
             )
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the heads compute in: their weights'. Hidden states and embeddings are cast to it on the way in."""
+        return next(self.blocks.parameters()).dtype
+
+    def cast(self, dtype: torch.dtype) -> "MedusaHeads":
+        """Weights and the shared LM-head rows in `dtype`, for drafting (e.g. bf16 on a CPU with bf16 kernels: half
+        the bytes a drafting level reads). The base's input embeddings stay shared, never copied. Drafts only:
+        the output stays the target's whatever the heads' dtype."""
+        embed, self.embed_weight = self.embed_weight, None
+        self.to(dtype)
+        self.embed_weight = embed
+        return self
+
     def head_hidden(self, k: int, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., H), context (..., S) -> (..., H): head k's (0-based) input to its LM head."""
+        """(..., H), context (..., S) -> (..., H): head k's (0-based) input to its LM head, in the heads' dtype."""
+        block = self.blocks[k]
+        h = h.to(next(block.parameters()).dtype)
         if self.token_proj is not None:
             self._check_context(h, context, self.config.context_slots(k))
             for j, proj in enumerate(self.token_proj[k]):
-                h = h + proj(self.embed_weight[context[..., j]])
-        return self.blocks[k](h)
+                h = h + proj(self.embed_weight[context[..., j]].to(h.dtype))
+        return block(h)
 
     def hidden(self, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) -> (K, ..., H): each head's residual stack."""

@@ -82,8 +82,8 @@ def test_prepacked_heads_score_as_the_stock_heads_save_the_same_and_fall_back_wh
     base = tiny_model("llama", seed=3)
     trained = randomize_heads(MedusaModel.from_pretrained(base, heads=None, condition="path", mlp_size=24))
     trained.save_pretrained(tmp_path / "h")
-    model = MedusaModel.from_pretrained(base, heads=tmp_path / "h", prepack=True)  # loaded heads are packed
-    heads = model.heads
+    model = MedusaModel.from_pretrained(base, heads=tmp_path / "h", prepack=True, draft_dtype=torch.float32)
+    heads = model.heads  # loaded heads are packed
     assert is_prepacked(heads) and heads.scorer is not None
     h, context = torch.randn(7, 32), torch.randint(0, 96, (7, 4))
     with torch.no_grad():
@@ -100,3 +100,27 @@ def test_prepacked_heads_score_as_the_stock_heads_save_the_same_and_fall_back_wh
         heads.to(torch.bfloat16)  # the packed copies no longer serve: the stock products run
         torch.testing.assert_close(heads(h.bfloat16(), context).float(), stock, rtol=0.05, atol=0.1)
     assert not is_prepacked(MedusaModel.from_pretrained(base, heads=None, prepack=True).heads)  # new heads are for training
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 kernels on this CPU")
+def test_loaded_heads_draft_in_bf16_packed_on_a_cpu_and_output_stays_the_targets(tmp_path):
+    base = tiny_model("llama", seed=5)
+    trained = randomize_heads(MedusaModel.from_pretrained(base, heads=None, condition="path", mlp_size=24))
+    trained.save_pretrained(tmp_path / "h")
+    model = MedusaModel.from_pretrained(base, heads=tmp_path / "h")  # a model passed in: its own kernels stay
+    heads = model.heads
+    assert not is_prepacked(base) and is_prepacked(heads) and heads.dtype == torch.bfloat16
+    assert heads.shared_weight.dtype == torch.bfloat16
+    assert heads.embed_weight.data_ptr() == base.get_input_embeddings().weight.data_ptr()  # shared, not copied
+    fp32 = MedusaModel.from_pretrained(base, heads=tmp_path / "h", draft_dtype=torch.float32).heads
+    assert fp32.dtype == torch.float32 and fp32.embed_weight.data_ptr() == heads.embed_weight.data_ptr()
+    h, context = torch.randn(64, 32), torch.randint(0, 96, (64, 4))
+    with torch.no_grad():
+        got, ref = heads(h, context), fp32(h, context)  # fp32 hidden states are cast on the way in
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=0.05, atol=0.05)
+    assert (got.float().argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    for seed in range(3):
+        ids = torch.randint(0, 96, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
+        want = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=40), want), seed
