@@ -28,15 +28,15 @@ class Correction:
     """Observed / predicted acceptance per depth (and for lookup nodes), with PRIOR pseudo-counts of agreement."""
 
     def __init__(self, depths: int) -> None:
-        self.predicted = torch.zeros(depths + 1, dtype=torch.float64)  # [0]: lookup nodes, [d]: heads at depth d
-        self.observed = torch.zeros(depths + 1, dtype=torch.float64)
+        self.predicted = [0.0] * (depths + 1)  # [0]: lookup nodes, [d]: heads at depth d
+        self.observed = [0.0] * (depths + 1)
 
     def factor(self, slot: int) -> float:
-        slot = min(slot, self.predicted.shape[0] - 1)
-        return float((self.observed[slot] + PRIOR) / (self.predicted[slot] + PRIOR))
+        slot = min(slot, len(self.predicted) - 1)
+        return (self.observed[slot] + PRIOR) / (self.predicted[slot] + PRIOR)
 
     def add(self, slot: int, predicted: float, observed: float) -> None:
-        slot = min(slot, self.predicted.shape[0] - 1)
+        slot = min(slot, len(self.predicted) - 1)
         self.predicted[slot] += predicted
         self.observed[slot] += observed
 

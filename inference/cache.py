@@ -59,14 +59,17 @@ def keep_accepted(cache: DynamicCache, past: int, keep: torch.Tensor) -> None:
     keep: (n,) tree-node indices for every row alike (increasing, keep[0] == 0, the root), or (B, n) one row of
     indices per batch row (padded by repeating; the caller masks the padding). The cache then ends at past + n."""
     n = keep.shape[-1]
+    # 1-D: nodes already in place (a path 0, 1, 2, ... up to the first one that is not) stay where they are
+    first = next((i for i, node in enumerate(keep.tolist()) if node != i), n) if keep.dim() == 1 else 0
+    source = keep[..., first:] + past
     for layer in cache.layers:
         for name in ("keys", "values"):
             kv = getattr(layer, name)  # (B, heads, past + T, head_dim)
-            if keep.dim() == 1:
-                kv[:, :, past : past + n] = kv.index_select(2, keep + past)
-            else:
-                index = (keep + past)[:, None, :, None].expand(-1, kv.shape[1], n, kv.shape[3])
+            if keep.dim() == 2:
+                index = source[:, None, :, None].expand(-1, kv.shape[1], n, kv.shape[3])
                 kv[:, :, past : past + n] = kv.gather(2, index)
+            elif first < n:
+                kv[:, :, past + first : past + n] = kv.index_select(2, source)
             setattr(layer, name, kv[:, :, : past + n])
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count their tokens themselves
             layer.cumulative_length = past + n

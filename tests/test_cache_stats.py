@@ -73,3 +73,19 @@ def test_streamer_gets_the_prompt_then_each_accepted_chunk():
     assert rec.ended and rec.chunks[0] == ids[0].tolist()
     assert [len(c) for c in rec.chunks[1:]] == res.stats.tokens_per_step  # one put per accepted chunk
     assert sum(rec.chunks[1:], []) == res.sequences[0, 7:].tolist()
+
+
+@pytest.mark.parametrize("keep", [[0], [0, 1, 2], [0, 2, 5], [0, 1, 4, 6], [0, 3]])
+def test_keep_accepted_keeps_exactly_those_entries_in_order(keep):
+    from medusa_heads.inference.cache import keep_accepted
+
+    base = tiny_model("llama", seed=1)
+    cache = new_cache(base, 32)
+    with torch.no_grad():
+        base(torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(0)), cache=cache, use_cache=True)
+    past = 4  # a 7-token tree was appended after 4 cached entries
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    keep_accepted(cache, past, torch.tensor(keep))
+    rows = list(range(past)) + [past + i for i in keep]
+    for layer, (k, v) in zip(cache.layers, before):
+        assert torch.equal(layer.keys, k[:, :, rows]) and torch.equal(layer.values, v[:, :, rows])

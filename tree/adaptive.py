@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -37,12 +38,17 @@ class Acceptance:
         """(D, B) float32."""
         return torch.tensor(self.rates, dtype=torch.float32)
 
+    @cached_property
+    def _lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(D, B) rates and (B - 1,) inner edges, float32, built once (a step reads them at every level)."""
+        return self.table(), torch.tensor(self.edges[1:-1], dtype=torch.float32)
+
     def __call__(self, depth: int, probs: torch.Tensor) -> torch.Tensor:
         """probs: (...) head probabilities at depth `depth` (1-based; deeper than measured reads the last row) ->
-        (...) acceptance probabilities."""
-        rates = torch.tensor(self.rates[min(depth, self.depth) - 1], dtype=probs.dtype, device=probs.device)
-        edges = torch.tensor(self.edges[1:-1], dtype=probs.dtype, device=probs.device)
-        return rates[torch.bucketize(probs, edges, right=True)]
+        (...) acceptance probabilities, float32."""
+        rates, edges = self._lookup
+        bins = torch.bucketize(probs.float().cpu(), edges, right=True)
+        return rates[min(depth, self.depth) - 1][bins].to(probs.device)
 
     def to_dict(self) -> dict:
         return {"edges": list(self.edges), "rates": [list(r) for r in self.rates]}
@@ -106,24 +112,31 @@ class CostModel:
     def verify_ms(self, context: int) -> torch.Tensor:
         """(max_size,) verify milliseconds for 1..max_size tree tokens after `context` cached tokens (linear in
         both; beyond the measured contexts, extrapolated from the last two; trees: a line fitted over sizes >= 2)."""
-        ms = torch.tensor(self.ms, dtype=torch.float64)  # (C, S)
-        sizes = torch.tensor(self.sizes, dtype=torch.float64)
+        rows = self._by_size  # (C, max_size)
         if len(self.contexts) == 1:
-            row = ms[0]
-        else:
-            c = min(max(bisect.bisect_right(self.contexts, context) - 1, 0), len(self.contexts) - 2)
-            c0, c1 = self.contexts[c], self.contexts[c + 1]
-            w = max((context - c0) / (c1 - c0), 0.0) if context > c0 or c == 0 else 0.0
-            row = ms[c] + w * (ms[c + 1] - ms[c])
+            return rows[0]
+        c = min(max(bisect.bisect_right(self.contexts, context) - 1, 0), len(self.contexts) - 2)
+        c0, c1 = self.contexts[c], self.contexts[c + 1]
+        w = max((context - c0) / (c1 - c0), 0.0) if context > c0 or c == 0 else 0.0
+        return torch.lerp(rows[c], rows[c + 1], w)
+
+    @cached_property
+    def _by_size(self) -> torch.Tensor:
+        """(C, max_size) float32: each measured context's milliseconds for 1..max_size tree tokens, fitted once."""
+        sizes = torch.tensor(self.sizes, dtype=torch.float64)
         n = torch.arange(1, self.max_size + 1, dtype=torch.float64)
-        if len(self.sizes) < 3:
-            return _interp(n, sizes, row).cummax(0).values.float()
-        # Timings of single sizes are noisy (+-10%), and noise that makes some large trees look free biases the
-        # choice towards them: a least-squares line through the tree sizes (>= 2), never below a plain step.
-        x, y = sizes[1:], row[1:]
-        slope = (((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()).clamp_min(0.0)
-        fit = y.mean() + slope * (n - x.mean())
-        return torch.cat([row[:1], fit[1:].clamp_min(float(row[0]))]).float()
+        rows = []
+        for row in torch.tensor(self.ms, dtype=torch.float64):
+            if len(self.sizes) < 3:
+                rows.append(_interp(n, sizes, row).cummax(0).values)
+                continue
+            # Timings of single sizes are noisy (+-10%), and noise that makes some large trees look free biases the
+            # choice towards them: a least-squares line through the tree sizes (>= 2), never below a plain step.
+            x, y = sizes[1:], row[1:]
+            slope = (((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()).clamp_min(0.0)
+            fit = y.mean() + slope * (n - x.mean())
+            rows.append(torch.cat([row[:1], fit[1:].clamp_min(float(row[0]))]))
+        return torch.stack(rows).float()
 
     def to_dict(self) -> dict:
         return {"contexts": list(self.contexts), "sizes": list(self.sizes), "ms": [list(r) for r in self.ms],
