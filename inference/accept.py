@@ -5,7 +5,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from medusa_heads.tree.buffers import TreeBuffers
-from medusa_heads.inference.sampling import sample, target_probs
+from medusa_heads.inference.sampling import draw, sample, target_probs
 
 
 def longest_path(match: torch.Tensor, buffers: TreeBuffers) -> tuple[int, int]:
@@ -69,7 +69,7 @@ class TargetChoice:
         """(T, V) -> (T,)."""
         if self.warpers is None:
             return logits.argmax(dim=-1)
-        return sample(target_probs(logits, self.warpers), self.generator)
+        return draw(logits, self.warpers, self.generator)
 
     def first(self, logits: torch.Tensor) -> int:
         return int(self.choose(logits)[0])

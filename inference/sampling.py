@@ -47,6 +47,33 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+# Warpers that give the same distribution over a top-k cut as over the whole vocabulary with the rest at -inf
+# (tokens outside the cut have probability 0 either way, and these read nothing but the relative scores).
+_CUT_SAFE = (TemperatureLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def draw(logits: torch.Tensor, warpers: LogitsProcessorList, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(T, V) raw logits -> (T,) one draw per row from the target's processed distribution (target_probs).
+
+    Where the warpers cut to the top k first (transformers' default, top_k=50), the warpers after the cut run on the
+    k kept scores only: the same distribution, but top-p sorts k scores instead of the whole vocabulary (0.1 ms
+    instead of 5 ms a draw for SmolLM2). A tie at the k-th score keeps every tied token in TopKLogitsWarper; such a
+    row takes the full path."""
+    cut = next((i for i, w in enumerate(warpers) if isinstance(w, TopKLogitsWarper)), None)
+    if cut is None or not all(isinstance(w, _CUT_SAFE) for i, w in enumerate(warpers) if i != cut):
+        return sample(target_probs(logits, warpers), generator)
+    scores = logits.float()
+    for w in list(warpers)[:cut]:
+        scores = w(None, scores)
+    k = min(max(warpers[cut].top_k, warpers[cut].min_tokens_to_keep), scores.shape[-1])
+    kept, ids = scores.topk(k, dim=-1)  # (T, k), best first
+    if bool(((scores >= kept[:, -1:]).sum(-1) > k).any()):  # a tie at the k-th score: the cut keeps more than k
+        return sample(target_probs(logits, warpers), generator)
+    for w in list(warpers)[cut + 1 :]:
+        kept = w(None, kept)
+    return ids.gather(-1, sample(torch.softmax(kept, dim=-1), generator)[:, None])[:, 0]
+
+
 def build_processors(gc: GenerationConfig, prompt_length: int, extra: LogitsProcessorList | None = None) -> LogitsProcessorList:
     """The context-dependent processors transformers' generate builds for `gc` (same order), then the user's."""
     eos = gc.eos_token_id

@@ -115,3 +115,32 @@ def test_exact_sampling_with_path_conditioned_heads(setup, law):
     h = torch.randn(32)
     drafts = {tuple(model.heads.topk(h, 2, torch.tensor([r, r, r]))[:, :].flatten().tolist()) for r in range(VOCAB)}
     assert len(drafts) > 1, "the drafts must depend on the context tokens for this test to mean anything"
+
+
+@pytest.mark.parametrize("settings, tie_at_cut", [
+    (dict(temperature=0.7, top_k=10, top_p=0.9), False),
+    (dict(temperature=1.3, top_k=12, min_p=0.05), False),
+    (dict(temperature=0.9, top_k=10, top_p=0.95), True),  # tied k-th scores: the cut keeps them all (full path)
+    (dict(top_k=8, typical_p=0.9), False),  # a warper that is not cut-safe: full path
+])
+def test_a_draw_after_the_top_k_cut_follows_the_warped_distribution(settings, tie_at_cut, monkeypatch):
+    from medusa_heads.inference import sampling
+    from medusa_heads.inference.sampling import draw, target_probs
+
+    n, vocab = 20000, 60
+    warpers = build_warpers(GenerationConfig(do_sample=True, **settings))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, vocab, generator=g) * 2
+    if tie_at_cut:
+        order = logits[0].argsort(descending=True)
+        logits[0, order[settings["top_k"]]] = logits[0, order[settings["top_k"] - 1]]
+    probs = target_probs(logits, warpers)[0].double()
+    full = []
+    monkeypatch.setattr(sampling, "target_probs", lambda *a: full.append(1) or target_probs(*a))
+    counts = torch.bincount(draw(logits.expand(n, -1), warpers, g), minlength=vocab).double()
+    assert bool(full) == (tie_at_cut or "typical_p" in settings)  # which path ran
+    support = probs > 0
+    assert counts[~support].sum() == 0 and int(support.sum()) >= 2
+    assert chisquare(counts[support], probs[support] / probs[support].sum() * n).pvalue > 1e-3
+    hotter = torch.softmax(logits[0].double() / (1.25 * settings.get("temperature", 1.0)), -1)[support]
+    assert chisquare(counts[support], hotter / hotter.sum() * n).pvalue < 1e-6  # the test rejects a wrong temperature
