@@ -51,7 +51,7 @@ def run_ours(args: argparse.Namespace) -> None:
     torch.set_num_threads(2)
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
-    model = MedusaModel.from_pretrained(path, heads=args.heads, tree="chain-4")
+    model = MedusaModel.from_pretrained(path, heads=args.heads, tree="chain-4", draft_dtype=torch.float32)  # as vLLM
     rows, tokens, steps = [], 0, 0
     for p in prompts(args.n):
         ids = prompt_ids(tok, p)

@@ -158,7 +158,7 @@ def test_shipped_serving_heads_decode_losslessly_and_export_for_vllm(real_base, 
     path = default_heads_path("serving")
     cfg = load_config(path)
     assert (cfg.condition, cfg.mlp_size, cfg.num_layers, cfg.num_heads, cfg.draft_vocab_size, cfg.own_lm_head) == ("none", 0, 1, 4, 4096, False)
-    model = MedusaModel.from_pretrained(base, heads=path, tree="chain-4")
+    model = MedusaModel.from_pretrained(base, heads=path, tree="chain-4", draft_dtype=torch.float32)  # as stored
     ids = chat_ids(tok, "Translate into French: the cat sleeps on the warm stone by the river.")
     res = model.generate(ids, max_new_tokens=48, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
     assert torch.equal(res.sequences, base.generate(ids, max_new_tokens=48, do_sample=False))

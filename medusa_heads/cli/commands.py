@@ -360,6 +360,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     """Write heads in another layout: --format medusa, the reference layout (medusa_lm_head.safetensors +
     config.json); --format vllm, everything vLLM 0.32's Medusa reads (biases, draft vocabulary, shared LM head)."""
+    import torch
+
     from medusa_heads.checkpoint import export_reference, export_vllm, is_reference_dir, load_config, vllm_exportable
     from medusa_heads.model import MedusaModel
 
@@ -367,8 +369,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     _check_model(args.model)
     if args.format == "vllm" and not is_reference_dir(args.heads_dir):
         vllm_exportable(load_config(args.heads_dir))  # refuse before loading the model
-    model = MedusaModel.from_pretrained(args.model, heads=args.heads_dir, prepack=False,
-                                        allow_base_mismatch=args.allow_base_mismatch)
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads_dir, prepack=False, draft_dtype=torch.float32,
+                                        allow_base_mismatch=args.allow_base_mismatch)  # the weights as stored, fp32
     export = export_vllm if args.format == "vllm" else export_reference
     out = export(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)
     print(f"exported to {out}", file=sys.stderr)
