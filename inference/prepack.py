@@ -18,6 +18,12 @@ def prepack_supported() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def bf16_supported() -> bool:
+    """oneDNN runs bf16 kernels on this CPU (AVX-512 bf16 or AMX; elsewhere it would emulate them, slower than fp32)."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return prepack_supported() and supported is not None and bool(supported())
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b through oneDNN with W packed once; `weight` and `bias` are the original Parameters."""
 

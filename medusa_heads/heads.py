@@ -117,7 +117,7 @@ class MedusaHeads(nn.Module):
     def head_hidden(self, k: int, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H), context (..., S) -> (..., H): head k's (0-based) input to its LM head, in the heads' dtype."""
         block = self.blocks[k]
-        h = h.to(next(block.parameters()).dtype)
+        h = h.to(self.dtype)
         if self.token_proj is not None:
             self._check_context(h, context, self.config.context_slots(k))
             for j, proj in enumerate(self.token_proj[k]):

@@ -22,7 +22,7 @@ from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
 from medusa_heads.inference.propose import MAX_NGRAM, MIN_NGRAM, Drafter, HeadsDrafter, LookupDrafter
 from medusa_heads.inference.sampling import build_processors, build_warpers
-from medusa_heads.inference.prepack import is_prepacked, prepack_heads, prepack_linears, prepack_supported
+from medusa_heads.inference.prepack import bf16_supported, is_prepacked, prepack_heads, prepack_linears, prepack_supported
 from medusa_heads.inference.support import check_tree_attention
 from medusa_heads.inference.verify import Target
 from medusa_heads.default_model import DEFAULT_MODEL, default_heads_path
@@ -309,10 +309,8 @@ class MedusaModel(nn.Module):
 
 def _draft_dtype(lm_weight: torch.Tensor) -> torch.dtype:
     """bf16 where a CPU has oneDNN bf16 kernels and the base runs in fp32, else the base's own dtype."""
-    if lm_weight.device.type == "cpu" and lm_weight.dtype == torch.float32 and prepack_supported():
-        supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-        if supported is not None and supported():
-            return torch.bfloat16
+    if lm_weight.device.type == "cpu" and lm_weight.dtype == torch.float32 and bf16_supported():
+        return torch.bfloat16
     return lm_weight.dtype
 
 

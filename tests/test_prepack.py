@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from medusa_heads import MedusaModel
-from medusa_heads.inference.prepack import PackedLinear, is_prepacked, prepack_linears, prepack_supported, stock_kernels
+from medusa_heads.inference.prepack import PackedLinear, bf16_supported, is_prepacked, prepack_linears, prepack_supported, stock_kernels
 
 from conftest import chat_ids, randomize_heads, tiny_model
 
@@ -102,7 +102,7 @@ def test_prepacked_heads_score_as_the_stock_heads_save_the_same_and_fall_back_wh
     assert not is_prepacked(MedusaModel.from_pretrained(base, heads=None, prepack=True).heads)  # new heads are for training
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 kernels on this CPU")
+@pytest.mark.skipif(not bf16_supported(), reason="no oneDNN bf16 kernels on this CPU")
 def test_loaded_heads_draft_in_bf16_packed_on_a_cpu_and_output_stays_the_targets(tmp_path):
     base = tiny_model("llama", seed=5)
     trained = randomize_heads(MedusaModel.from_pretrained(base, heads=None, condition="path", mlp_size=24))

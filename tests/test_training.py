@@ -93,6 +93,33 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path, monkeypatc
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_training_continues_from_trained_heads_and_refuses_heads_of_another_shape(tiny_data, tmp_path):
+    first = train(recipe(tiny_data, tmp_path / "first", condition="path", mlp_size=32))
+    more = train(recipe(tiny_data, tmp_path / "more", condition="path", mlp_size=32, max_steps=10, init_heads=str(first)))
+    evals = [[json.loads(line) for line in (d / "train_log.jsonl").read_text().splitlines() if '"eval"' in line]
+             for d in (first, more)]
+    assert evals[1][0]["step"] == 0 and evals[1][0] == {**evals[0][-1], "step": 0}  # the same heads on the same split
+    assert evals[1][-1]["step"] == 10 and evals[1][-1] != evals[1][0]
+    config = [json.loads((d / "config.json").read_text()) for d in (first, more)]
+    assert config[1]["draft_vocab"] == config[0]["draft_vocab"]
+    with pytest.raises(ValueError, match=r"num_heads=3 \(recipe: 2\).*mlp_size=32 \(recipe: 0\)"):
+        train(recipe(tiny_data, tmp_path / "bad", condition="path", num_heads=2, init_heads=str(first)))
+
+
+def test_training_reads_several_answer_files_as_one_and_refuses_a_conversation_given_twice(tiny_data, tmp_path):
+    rows = read_conversations(tiny_data / "data.jsonl")
+    append_conversations(tmp_path / "a.jsonl", rows[:10])
+    append_conversations(tmp_path / "b.jsonl", rows[10:])
+    one = train(recipe(tiny_data, tmp_path / "one", max_steps=10))
+    two = train(recipe(tiny_data, tmp_path / "two", max_steps=10, data=f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"))
+    a, b = load_file(one / "heads.safetensors"), load_file(two / "heads.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match=r"'c0' is in both .*a.jsonl and .*data.jsonl"):
+        train(recipe(tiny_data, tmp_path / "dup", data=f"{tmp_path / 'a.jsonl'},{tiny_data / 'data.jsonl'}"))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
+        train(recipe(tiny_data, tmp_path / "gone", data=f"{tmp_path / 'a.jsonl'},{tmp_path / 'missing.jsonl'}"))
+
+
 def test_unwritable_output_is_refused_before_work(tiny_data, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 from safetensors.torch import load_file, save_file
 
-from medusa_heads.checkpoint import check_fingerprint, load_config, load_heads, save_heads
+from medusa_heads.checkpoint import save_heads
 from medusa_heads.heads import MedusaHeads
 from medusa_heads.inference.tap import LMHeadTap
 from medusa_heads.loading import load_base, load_tokenizer
@@ -26,7 +26,7 @@ from medusa_heads.training.data import is_eval
 from medusa_heads.training.features import Segment, answer_segments
 from medusa_heads.training.loss import IGNORE, medusa_loss
 from medusa_heads.training.recipe import TrainRecipe
-from medusa_heads.training.loop import (OOV, Job, build_split, draft_index, evaluate, load_checkpoint, new_heads, run,
+from medusa_heads.training.loop import (OOV, Job, build_split, draft_index, evaluate, load_checkpoint, run, start_heads,
                                         save_checkpoint)
 
 ADAPTER_DIR = "adapter"
@@ -98,19 +98,6 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     return run(recipe, resume, partial(_job, recipe))
 
 
-def _heads(recipe: TrainRecipe, base, train_seqs: list[Seq], eos: int | None) -> MedusaHeads:
-    """New heads over the training answers' draft vocabulary, or (Medusa-2's stage 2) recipe.init_heads."""
-    if not recipe.init_heads:
-        return new_heads(recipe, base, [seg for s in train_seqs for seg in _segments(s, None, eos)])
-    config = load_config(recipe.init_heads)
-    check_fingerprint(config, base)
-    if (config.num_heads, config.condition) != (recipe.num_heads, recipe.condition):
-        raise ValueError(f"init_heads {recipe.init_heads} has num_heads={config.num_heads}, condition={config.condition!r}; "
-                         f"the recipe says num_heads={recipe.num_heads}, condition={recipe.condition!r}")
-    return load_heads(recipe.init_heads, base.get_output_embeddings().weight.detach(), config,
-                      base.get_input_embeddings().weight.detach())
-
-
 def _seqs(recipe: TrainRecipe, tokenizer, convs: list[dict]) -> tuple[list[Seq], list[Seq]]:
     """The conversations as chat-template tokens: those with an answer token within recipe.max_length, and the rest."""
     seqs, cut = [], []
@@ -138,7 +125,7 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
     train_seqs = [s for s in seqs if not is_eval(s.id, recipe.eval_fraction)]
     eval_seqs = [s for s in seqs if is_eval(s.id, recipe.eval_fraction)]
     torch.manual_seed(recipe.seed)
-    heads = _heads(recipe, base, train_seqs, eos)
+    heads = start_heads(recipe, base, [seg for s in train_seqs for seg in _segments(s, None, eos)])
     config = heads.config
     vocab = config.draft_vocab or list(range(config.vocab_size))
     index = draft_index(vocab, config.vocab_size)

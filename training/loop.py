@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from medusa_heads.checkpoint import WEIGHTS_NAME, base_fingerprint, save_heads
+from medusa_heads.checkpoint import WEIGHTS_NAME, base_fingerprint, check_fingerprint, load_config, load_heads, save_heads
 from medusa_heads.heads import MedusaHeads
 from medusa_heads.training.data import read_conversations
 from medusa_heads.training.features import Segment, segment_context
@@ -29,13 +29,24 @@ from medusa_heads.training.recipe import TrainRecipe
 OOV = -1  # a real target token outside the draft vocabulary: never predictable, counted as a miss
 
 
-def read_data(path: str | os.PathLike) -> list[dict]:
-    """The conversations to train on; a missing or empty file is said at once."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"training data {path} does not exist (write it with `medusa-heads distill`)")
-    convs = read_conversations(path)
+def read_data(paths: str | os.PathLike) -> list[dict]:
+    """The conversations to train on, from one JSONL file or several (comma-separated: e.g. the greedy answers and
+    a sampled variant). A missing or empty file, or a conversation id in two files, is said at once."""
+    convs, origin = [], {}
+    for path in [p.strip() for p in str(paths).split(",") if p.strip()]:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"training data {path} does not exist (write it with `medusa-heads distill`)")
+        rows = read_conversations(path)
+        if not rows:
+            raise ValueError(f"training data {path} holds no conversations")
+        for row in rows:
+            if row["id"] in origin:
+                raise ValueError(f"conversation {row['id']!r} is in both {origin[row['id']]} and {path}: give each "
+                                 "answer set once (a further answer per prompt is distilled with --variant)")
+            origin[row["id"]] = path
+        convs += rows
     if not convs:
-        raise ValueError(f"training data {path} holds no conversations")
+        raise ValueError(f"no training data named in {str(paths)!r}")
     return convs
 
 
@@ -65,6 +76,22 @@ def new_heads(recipe: TrainRecipe, base, segments: list[Segment]) -> MedusaHeads
     lm_weight, embed_weight = base.get_output_embeddings().weight.detach(), base.get_input_embeddings().weight.detach()
     vocab = choose_draft_vocab(segments, recipe.draft_vocab_size, lm_weight.shape[0])
     return MedusaHeads(recipe.heads_config(*lm_weight.shape, vocab, base_fingerprint(base)), lm_weight, embed_weight)
+
+
+def start_heads(recipe: TrainRecipe, base, segments: list[Segment]) -> MedusaHeads:
+    """The heads training starts from: new ones over the draft vocabulary of these (training) answers, or, with
+    recipe.init_heads, trained heads to continue (their own draft vocabulary; their shape must be the recipe's)."""
+    if not recipe.init_heads:
+        return new_heads(recipe, base, segments)
+    config = load_config(recipe.init_heads)
+    check_fingerprint(config, base)
+    have = {k: getattr(config, k) for k in ("num_heads", "num_layers", "mlp_size", "condition")}
+    want = {k: getattr(recipe, k) for k in have}
+    if have != want:
+        diff = ", ".join(f"{k}={have[k]!r} (recipe: {want[k]!r})" for k in have if have[k] != want[k])
+        raise ValueError(f"init_heads {recipe.init_heads} are not the heads this recipe trains: {diff}")
+    return load_heads(recipe.init_heads, base.get_output_embeddings().weight.detach(), config,
+                      base.get_input_embeddings().weight.detach())  # weights stored in bf16 load into fp32 parameters
 
 
 @dataclass

@@ -13,7 +13,7 @@ from medusa_heads.config import DEFAULT_TREE
 @dataclass
 class TrainRecipe:
     model: str = "smollm2-135m-instruct"  # base model: the default's name, a local HF directory or a hub id
-    data: str = "data/distilled.jsonl"  # distilled conversations (JSONL from `medusa-heads distill`)
+    data: str = "data/distilled.jsonl"  # distilled conversations (JSONL from `medusa-heads distill`; several: comma-separated)
     features: str = "data/features"  # hidden-state shards (`distill --features`); train computes those missing
     out: str = "runs/heads"  # heads directory to write (loadable with MedusaModel.from_pretrained(base, heads=out))
     num_heads: int = 4  # K
@@ -48,7 +48,7 @@ class TrainRecipe:
     lm_weight: float = 0.0  # weight of the target's own LM loss on the distilled answers
     kl_weight: float = 1.0  # weight of the KL to the frozen target (keeps the adapted model's outputs close)
     max_length: int = 512  # tokens per conversation in joint training
-    init_heads: str = ""  # joint training: start from these trained heads (Medusa-2's two stages); "" = new heads
+    init_heads: str = ""  # start from these trained heads (more data; Medusa-2's second stage); "" = new heads
 
     def __post_init__(self) -> None:
         from medusa_heads.config import CONDITIONS

@@ -12,8 +12,8 @@ from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.training.data import is_eval
 from medusa_heads.training.features import Segment, feature_ids, features_from_conversations, load_segments
 from medusa_heads.training.joint import train_joint
-from medusa_heads.training.loop import (OOV, Job, Split, build_split, draft_index, evaluate, load_checkpoint, new_heads,
-                                        run, save_checkpoint)
+from medusa_heads.training.loop import (OOV, Job, Split, build_split, draft_index, evaluate, load_checkpoint, run,
+                                        save_checkpoint, start_heads)
 from medusa_heads.training.loss import IGNORE, SoftTargets, medusa_loss, teacher_topk
 from medusa_heads.training.recipe import TrainRecipe
 
@@ -60,7 +60,7 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
     segments = _segments(recipe, convs, base, accelerator)
     train_segs = [s for s in segments if not is_eval(s.conv_id, recipe.eval_fraction)]
     torch.manual_seed(recipe.seed)
-    heads = new_heads(recipe, base, train_segs)
+    heads = start_heads(recipe, base, train_segs)
     vocab = heads.config.draft_vocab or list(range(heads.config.vocab_size))
     index = draft_index(vocab, heads.config.vocab_size)
     train_split = build_split(train_segs, recipe.num_heads, index, heads.config.context_size)
@@ -94,4 +94,5 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
     info = {"conversations": len({c["id"] for c in convs}), "train_tokens": int(n), "eval_tokens": int(eval_split.hidden.shape[0]),
             "draft_vocab": len(vocab), "coverage_train": coverage(train_split), "coverage_eval": coverage(eval_split)}
     return Job(step, (model,), optimizer, scheduler, max(n // per_step, 1), batch, loss,
-               lambda: evaluate(accelerator.unwrap_model(model), eval_split, recipe.decay), save, info, {"data": info})
+               lambda: evaluate(accelerator.unwrap_model(model), eval_split, recipe.decay), save, info, {"data": info},
+               eval_first=bool(recipe.init_heads))
