@@ -90,6 +90,9 @@ def start_heads(recipe: TrainRecipe, base, segments: list[Segment]) -> MedusaHea
     if have != want:
         diff = ", ".join(f"{k}={have[k]!r} (recipe: {want[k]!r})" for k in have if have[k] != want[k])
         raise ValueError(f"init_heads {recipe.init_heads} are not the heads this recipe trains: {diff}")
+    if config.adaptive and "acceptance" in config.adaptive:  # fitted to the init heads' confidence, not these:
+        # `calibrate --parts acceptance` measures theirs (the cost model and lookup rates do not depend on the weights)
+        config.adaptive = {k: v for k, v in config.adaptive.items() if k != "acceptance"}
     return load_heads(recipe.init_heads, base.get_output_embeddings().weight.detach(), config,
                       base.get_input_embeddings().weight.detach())  # weights stored in bf16 load into fp32 parameters
 

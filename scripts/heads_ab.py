@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Two sets of heads on one target in one process: each against transformers' generate, the three alternating per
+prompt (the order rotates), greedy, with the configured tree of each (the per-step tree for calibrated heads).
+
+    python scripts/heads_ab.py --heads medusa_heads/default_heads runs/smollm2-135m-heads-more \
+        --prompts data/bench_prompts.jsonl data/bench_prompts_new.jsonl --out results/heads/ab.md
+
+Prints, per category and overall, tokens/s of each as a ratio to generate, tau, and how many outputs equal
+generate's; writes the same table as Markdown to --out."""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from medusa_heads import MedusaModel, prompt_ids
+from medusa_heads.loading import load_base, load_tokenizer
+from medusa_heads.training.data import read_prompts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", nargs=2, required=True, metavar=("A", "B"), help="two heads directories")
+    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files (first turn of each row)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="Markdown file for the table")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    base = load_base(args.model)  # prepacked on a CPU: both heads draft for, and generate runs on, the same kernels
+    tok = load_tokenizer(args.model)
+    models = {name: MedusaModel.from_pretrained(base, heads=name) for name in args.heads}
+    rows = [(Path(f).stem, r) for f in args.prompts for r in read_prompts(f)]
+
+    def run(who: str, ids: torch.Tensor):
+        if who == "generate":
+            return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False), None
+        out = models[who].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                   return_dict_in_generate=True)
+        return out.sequences, out.stats.mean_accepted
+
+    contenders = ["generate", *args.heads]
+    warm = prompt_ids(tok, "Hello")
+    for who in contenders:
+        run(who, warm)
+    acc = defaultdict(lambda: {"seconds": 0.0, "tokens": 0, "taus": [], "same": 0, "prompts": 0})
+    for i, (stem, row) in enumerate(tqdm(rows, desc="heads A/B", unit="prompt")):
+        ids = prompt_ids(tok, row.turns[0])
+        outs = {}
+        for who in contenders[i % 3:] + contenders[: i % 3]:
+            t0 = time.perf_counter()
+            seq, tau = run(who, ids)
+            dt = time.perf_counter() - t0
+            outs[who] = seq
+            for key in ("overall", f"{stem}: {row.category or 'uncategorised'}"):
+                a = acc[(key, who)]
+                a["seconds"] += dt
+                a["tokens"] += seq.shape[1] - ids.shape[1]
+                if tau is not None:
+                    a["taus"].append(tau)
+        for who in args.heads:
+            for key in ("overall", f"{stem}: {row.category or 'uncategorised'}"):
+                acc[(key, who)]["same"] += int(torch.equal(outs[who], outs["generate"]))
+                acc[(key, who)]["prompts"] += 1
+
+    a_name, b_name = args.heads
+    lines = [f"Heads A = `{a_name}`, B = `{b_name}`; {len(rows)} prompts ({', '.join(args.prompts)}), greedy, "
+             f"{args.max_new_tokens} new tokens, {args.threads} threads, one process, generate / A / B alternating per prompt.",
+             "", "| prompts | A speed-up | A tau | B speed-up | B tau | B / A | identical A, B |", "|---|---|---|---|---|---|---|"]
+    keys = sorted({k for k, _ in acc if k != "overall"}) + ["overall"]
+    for key in keys:
+        tps = {who: acc[(key, who)]["tokens"] / acc[(key, who)]["seconds"] for who in contenders}
+        tau = {who: sum(acc[(key, who)]["taus"]) / len(acc[(key, who)]["taus"]) for who in args.heads}
+        same = ", ".join(f"{acc[(key, w)]['same']}/{acc[(key, w)]['prompts']}" for w in args.heads)
+        lines.append(f"| {key} | {tps[a_name] / tps['generate']:.2f}x | {tau[a_name]:.2f} | {tps[b_name] / tps['generate']:.2f}x "
+                     f"| {tau[b_name]:.2f} | {tps[b_name] / tps[a_name]:.3f} | {same} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
