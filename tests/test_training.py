@@ -53,9 +53,10 @@ def test_tapped_hidden_states_reproduce_the_greedy_tokens(tiny_data):
     assert torch.equal(logits.argmax(-1), seg.tokens)
 
 
-@pytest.mark.parametrize("condition,mlp_size", [("none", 0), ("path", 0), ("path", 64)])
-def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_data, tmp_path, condition, mlp_size):
-    out = train(recipe(tiny_data, tmp_path / "heads", num_heads=2, tree="cpu-8", max_steps=60, lr=1e-2, condition=condition, mlp_size=mlp_size))
+@pytest.mark.parametrize("condition,mlp_size,precision", [("none", 0, "no"), ("path", 0, "no"), ("path", 64, "no"), ("path", 64, "bf16")])
+def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_data, tmp_path, condition, mlp_size, precision):
+    out = train(recipe(tiny_data, tmp_path / "heads", num_heads=2, tree="cpu-8", max_steps=60, lr=1e-2, condition=condition,
+                       mlp_size=mlp_size, mixed_precision=precision))
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     trains = [r for r in log if r["kind"] == "train"]
     assert log[0]["kind"] == "data" and 0 < log[0]["coverage_eval"] <= 1

@@ -242,9 +242,13 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
     """Train per the recipe; setup(conversations, accelerator, checkpoint folder, resume from it) builds the job.
     Returns the heads directory."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     convs = read_data(recipe.data)
     out, ckpt = prepare_output(recipe, resume)
+    # accelerate keeps one state per process and refuses a second run's other mixed_precision (a notebook, a sweep):
+    # each run sets its own (the process group, PartialState, stays as launched)
+    AcceleratorState._reset_state()
     accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum)
     job = setup(convs, accelerator, ckpt, resume and ckpt.exists())
     main, step, log_path = accelerator.is_main_process, job.step, out / "train_log.jsonl"
