@@ -229,6 +229,9 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     assert all(f"## Cost: {k}" in report for k in kernels) and "## Prompt lookup" in report and "| 4 |" in report
     assert (tmp_path / "report" / "reliability.png").stat().st_size > 1000
 
+    features_from_conversations(base, tok, convs[:6], tmp_path / "part")  # held-out answers without features are said
+    main(common[:7] + ["--features", str(tmp_path / "part"), "--parts", "acceptance", "--accept-topk", str(len(vocab))])
+    assert "6 of the 8 held-out conversations have features" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no features for the 8 held-out conversations"):
         main(common[:7] + ["--features", str(tmp_path / "empty"), "--parts", "acceptance"])

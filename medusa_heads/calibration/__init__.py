@@ -49,6 +49,10 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         if not held_out:
             raise ValueError(f"no features for the {len(ids)} held-out conversations in {features} (compute them with: "
                              f"medusa-heads features --data ... --features {features})")
+        have = {seg.conv_id for seg in held_out}
+        if len(have) < len(ids):  # said, not silently dropped
+            log(f"calibrate: {len(have)} of the {len(ids)} held-out conversations have features in {features}; the "
+                f"other {len(ids) - len(have)} are left out (medusa-heads features --data ... --features {features})")
     details = {}
     if "tree" in parts:
         ranks = measure.correct_ranks(model.heads, held_out, topk=s.topk)
