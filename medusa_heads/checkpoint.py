@@ -45,11 +45,17 @@ def check_fingerprint(config: MedusaConfig, base: PreTrainedModel, allow_mismatc
         return
     have = fingerprint or base_fingerprint(base)
     for key in ("architecture", "lm_head_sha256"):
-        if config.base_fingerprint.get(key) != have[key]:
+        want = config.base_fingerprint.get(key)
+        if want != have[key]:
             raise ValueError(
-                f"these heads were trained for another base model ({key}: heads {config.base_fingerprint.get(key)!r}, "
-                f"base {have[key]!r}); pass allow_base_mismatch=True (--allow-base-mismatch) to use them anyway"
+                f"these heads were trained for another base model ({key}: heads {_shown(want)}, base {_shown(have[key])}); "
+                "pass allow_base_mismatch=True (--allow-base-mismatch) to use them anyway"
             )
+
+
+def _shown(value) -> str:
+    """A fingerprint value for a message: a hash by its first 12 hex digits, anything else as repr."""
+    return f"{value[:12]}..." if isinstance(value, str) and len(value) == 64 else repr(value)
 
 
 _UMASK = os.umask(0)  # read once (os.umask can only read it by setting it)...
