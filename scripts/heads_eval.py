@@ -1,0 +1,65 @@
+#!/usr/bin/env python
+"""Held-out accuracy of several heads on one and the same split: top-1 / top-5 / CE per head (heads 2-4 given the
+right path above them), each answer set apart (the greedy answers, the sampled variants) and together.
+
+    python scripts/heads_eval.py --heads runs/smollm2-135m-heads runs/smollm2-135m-heads-more \
+        --data data/distilled_head.jsonl data/distilled_t07.jsonl --features data/features
+
+The split is the heads' recipe's (a hash of the prompt id, eval_fraction of them); answers without features are
+counted and left out."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from medusa_heads.checkpoint import load_config, load_heads
+from medusa_heads.loading import load_base
+from medusa_heads.training.data import is_eval, read_conversations
+from medusa_heads.training.features import load_segments
+from medusa_heads.training.loop import build_split, draft_index, evaluate
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", nargs="+", required=True)
+    p.add_argument("--data", nargs="+", required=True, help="distilled conversation files, each reported apart")
+    p.add_argument("--features", default="data/features")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    base = load_base(args.model, prepack=False)
+    configs = [load_config(h) for h in args.heads]
+    fraction = configs[0].extra.get("recipe", {}).get("eval_fraction", 0.05)
+    if any(c.draft_vocab != configs[0].draft_vocab or c.context_size != configs[0].context_size for c in configs):
+        raise SystemExit("the heads compared must share a draft vocabulary and conditioning (one split serves all)")
+    sets = {}
+    for path in args.data:
+        ids = {c["id"] for c in read_conversations(path) if is_eval(c["id"], fraction)}
+        segs = load_segments(args.features, keep_ids=ids)
+        print(f"{path}: {len({s.conv_id for s in segs})} of {len(ids)} held-out conversations have features")
+        sets[path] = segs
+    sets["all"] = [s for path in args.data for s in sets[path]]
+    index = draft_index(configs[0].draft_vocab, configs[0].vocab_size)
+    out = {}
+    for name, segs in sets.items():
+        split = build_split(segs, configs[0].num_heads, index, configs[0].context_size)
+        for heads_dir, config in zip(args.heads, configs):
+            heads = load_heads(heads_dir, base.get_output_embeddings().weight.detach(), config,
+                               base.get_input_embeddings().weight.detach())
+            with torch.no_grad():
+                m = evaluate(heads, split, decay=0.8)
+            out.setdefault(name, {"tokens": int(split.hidden.shape[0])})[heads_dir] = m
+            k = config.num_heads
+            print(f"{name} ({split.hidden.shape[0]:,} tokens) {heads_dir}: top-1 "
+                  + " / ".join(f"{m[f'top1_{i + 1}']:.3f}" for i in range(k)) + ", top-5 "
+                  + " / ".join(f"{m[f'top5_{i + 1}']:.3f}" for i in range(k)))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
