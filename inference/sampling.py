@@ -62,14 +62,14 @@ def draw(logits: torch.Tensor, warpers: LogitsProcessorList, generator: torch.Ge
     cut = next((i for i, w in enumerate(warpers) if isinstance(w, TopKLogitsWarper)), None)
     if cut is None or not all(isinstance(w, _CUT_SAFE) for i, w in enumerate(warpers) if i != cut):
         return sample(target_probs(logits, warpers), generator)
-    scores, warpers = logits.float(), list(warpers)
-    for w in warpers[:cut]:
+    scores, chain = logits.float(), list(warpers)
+    for w in chain[:cut]:
         scores = w(None, scores)
     k = min(max(warpers[cut].top_k, warpers[cut].min_tokens_to_keep), scores.shape[-1])
     kept, ids = scores.topk(k, dim=-1)  # (T, k), best first
     if bool(((scores >= kept[:, -1:]).sum(-1) > k).any()):  # a tie at the k-th score: the cut keeps more than k
         return sample(target_probs(logits, warpers), generator)
-    for w in warpers[cut + 1 :]:
+    for w in chain[cut + 1 :]:
         kept = w(None, kept)
     return ids.gather(-1, sample(torch.softmax(kept, dim=-1), generator)[:, None])[:, 0]
 
