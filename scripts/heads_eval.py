@@ -35,24 +35,24 @@ def main() -> None:
     fraction = configs[0].extra.get("recipe", {}).get("eval_fraction", 0.05)
     if any(c.draft_vocab != configs[0].draft_vocab or c.context_size != configs[0].context_size for c in configs):
         raise SystemExit("the heads compared must share a draft vocabulary and conditioning (one split serves all)")
+    held = {path: {c["id"] for c in read_conversations(path) if is_eval(c["id"], fraction)} for path in args.data}
+    segments = load_segments(args.features, keep_ids=set().union(*held.values()))  # the shards are read once
     sets = {}
-    for path in args.data:
-        ids = {c["id"] for c in read_conversations(path) if is_eval(c["id"], fraction)}
-        segs = load_segments(args.features, keep_ids=ids)
-        print(f"{path}: {len({s.conv_id for s in segs})} of {len(ids)} held-out conversations have features")
-        sets[path] = segs
+    for path, ids in held.items():
+        sets[path] = [s for s in segments if s.conv_id in ids]
+        print(f"{path}: {len({s.conv_id for s in sets[path]})} of {len(ids)} held-out conversations have features")
     sets["all"] = [s for path in args.data for s in sets[path]]
+    heads = {h: load_heads(h, base.get_output_embeddings().weight.detach(), c, base.get_input_embeddings().weight.detach())
+             for h, c in zip(args.heads, configs)}
     index = draft_index(configs[0].draft_vocab, configs[0].vocab_size)
+    k = configs[0].num_heads
     out = {}
     for name, segs in sets.items():
-        split = build_split(segs, configs[0].num_heads, index, configs[0].context_size)
-        for heads_dir, config in zip(args.heads, configs):
-            heads = load_heads(heads_dir, base.get_output_embeddings().weight.detach(), config,
-                               base.get_input_embeddings().weight.detach())
+        split = build_split(segs, k, index, configs[0].context_size)
+        for heads_dir, model in heads.items():
             with torch.no_grad():
-                m = evaluate(heads, split, decay=0.8)
+                m = evaluate(model, split, decay=0.8)
             out.setdefault(name, {"tokens": int(split.hidden.shape[0])})[heads_dir] = m
-            k = config.num_heads
             print(f"{name} ({split.hidden.shape[0]:,} tokens) {heads_dir}: top-1 "
                   + " / ".join(f"{m[f'top1_{i + 1}']:.3f}" for i in range(k)) + ", top-5 "
                   + " / ".join(f"{m[f'top5_{i + 1}']:.3f}" for i in range(k)))
