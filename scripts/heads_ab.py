@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Two sets of heads on one target in one process: each against transformers' generate, the three alternating per
-prompt (the order rotates), greedy, with the configured tree of each (the per-step tree for calibrated heads).
+"""Two or more sets of heads on one target in one process: each against transformers' generate, all alternating
+per prompt (the order rotates), greedy, with the configured tree of each (the per-step tree for calibrated heads).
 
     python scripts/heads_ab.py --heads medusa_heads/default_heads runs/smollm2-135m-heads-more \
         --prompts data/bench_prompts.jsonl data/bench_prompts_new.jsonl --out results/heads/ab.md
 
-Prints, per category and overall, tokens/s of each as a ratio to generate, tau, and how many outputs equal
-generate's; writes the same table as Markdown to --out."""
+Prints, per category and overall, tokens/s of each as a ratio to generate and to the first heads (A), tau, and how
+many outputs equal generate's; writes the same table as Markdown to --out."""
 from __future__ import annotations
 
 import argparse
@@ -24,13 +24,15 @@ from medusa_heads.training.data import read_prompts
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", nargs=2, required=True, metavar=("A", "B"), help="two heads directories")
+    p.add_argument("--heads", nargs="+", required=True, help="two or more heads directories (the first is A)")
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files (first turn of each row)")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="Markdown file for the table")
     args = p.parse_args()
+    if len(args.heads) < 2 or len(set(args.heads)) < len(args.heads):
+        p.error(f"--heads takes two or more different directories, got {args.heads}")
     torch.set_num_threads(args.threads)
 
     base = load_base(args.model)  # prepacked on a CPU: both heads draft for, and generate runs on, the same kernels
@@ -53,7 +55,7 @@ def main() -> None:
     for i, (stem, row) in enumerate(tqdm(rows, desc="heads A/B", unit="prompt")):
         ids = prompt_ids(tok, row.turns[0])
         outs = {}
-        for who in contenders[i % 3:] + contenders[: i % 3]:
+        for who in contenders[i % len(contenders):] + contenders[: i % len(contenders)]:
             t0 = time.perf_counter()
             seq, tau = run(who, ids)
             dt = time.perf_counter() - t0
@@ -69,17 +71,21 @@ def main() -> None:
                 acc[(key, who)]["same"] += int(torch.equal(outs[who], outs["generate"]))
                 acc[(key, who)]["prompts"] += 1
 
-    a_name, b_name = args.heads
-    lines = [f"Heads A = `{a_name}`, B = `{b_name}`; {len(rows)} prompts ({', '.join(args.prompts)}), greedy, "
-             f"{args.max_new_tokens} new tokens, {args.threads} threads, one process, generate / A / B alternating per prompt.",
-             "", "| prompts | A speed-up | A tau | B speed-up | B tau | B / A | identical A, B |", "|---|---|---|---|---|---|---|"]
+    names = [chr(ord("A") + i) for i in range(len(args.heads))]
+    lines = [f"Heads {'; '.join(f'{n} = `{h}`' for n, h in zip(names, args.heads))}; {len(rows)} prompts "
+             f"({', '.join(args.prompts)}), greedy, {args.max_new_tokens} new tokens, {args.threads} threads, one process, "
+             f"generate / {' / '.join(names)} alternating per prompt.", ""]
+    head = ["prompts"] + [f"{n} {c}" for n in names for c in ("speed-up", "tau")]
+    head += [f"{n} / A" for n in names[1:]] + ["identical " + ", ".join(names)]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = sorted({k for k, _ in acc if k != "overall"}) + ["overall"]
     for key in keys:
         tps = {who: acc[(key, who)]["tokens"] / acc[(key, who)]["seconds"] for who in contenders}
         tau = {who: sum(acc[(key, who)]["taus"]) / len(acc[(key, who)]["taus"]) for who in args.heads}
-        same = ", ".join(f"{acc[(key, w)]['same']}/{acc[(key, w)]['prompts']}" for w in args.heads)
-        lines.append(f"| {key} | {tps[a_name] / tps['generate']:.2f}x | {tau[a_name]:.2f} | {tps[b_name] / tps['generate']:.2f}x "
-                     f"| {tau[b_name]:.2f} | {tps[b_name] / tps[a_name]:.3f} | {same} |")
+        cells = [key] + [x for w in args.heads for x in (f"{tps[w] / tps['generate']:.2f}x", f"{tau[w]:.2f}")]
+        cells += [f"{tps[w] / tps[args.heads[0]]:.3f}" for w in args.heads[1:]]
+        cells.append(", ".join(f"{acc[(key, w)]['same']}/{acc[(key, w)]['prompts']}" for w in args.heads))
+        lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
