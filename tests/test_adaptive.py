@@ -47,12 +47,28 @@ def test_the_cost_model_interpolates_sizes_and_contexts():
     assert cost.verify_ms(0)[0] == pytest.approx(10)  # below the measured contexts: the first row
     assert cost.verify_ms(1792)[0] == pytest.approx(30)  # above: extrapolated
     assert CostModel.from_dict(cost.to_dict()) == cost
-    noisy = CostModel(contexts=(0,), sizes=(1, 2, 3, 4), ms=((10.0, 14.0, 12.0, 16.0),))
+    noisy = CostModel(contexts=(0,), sizes=(1, 2, 3, 4), ms=((10.0, 14.0, 12.0, 16.0),), fit="line")
     assert noisy.verify_ms(0).tolist() == pytest.approx([10, 13, 14, 15])  # a line through the trees: none looks free
+    assert CostModel.from_dict({k: v for k, v in noisy.to_dict().items() if k != "fit"}) == noisy  # older configs
+    with pytest.raises(ValueError, match="fit must be one of"):
+        CostModel(contexts=(0,), sizes=(1,), ms=((1.0,),), fit="spline")
     with pytest.raises(ValueError, match="sizes must increase from 1"):
         CostModel(contexts=(1,), sizes=(2, 4), ms=((1.0, 2.0),))
     with pytest.raises(ValueError, match="rise from 0 to 1"):
         Acceptance((0.0, 0.5), ((0.1,),))
+
+
+def test_the_steps_fit_keeps_the_kernels_row_blocks_and_smooths_noise_into_no_free_tree():
+    # as measured for SmolLM2 on AVX2 (256 cached tokens): flat to 6 tokens, a jump at 7, a noisy dip at 6
+    ms = (44.3, 49.0, 44.0, 42.8, 42.1, 45.0, 51.0, 49.7, 49.9, 51.2, 52.8, 55.3, 61.9)
+    cost = CostModel(contexts=(300,), sizes=(*range(1, 13), 16), ms=(ms,))
+    fit = cost.verify_ms(300)
+    assert (fit.diff() >= 0).all()  # never does a larger tree look cheaper
+    assert fit[:6].tolist() == pytest.approx([44.3, *[(49.0 + 44.0 + 42.8 + 42.1) / 4] * 4, 45.0])  # 1..6: a plain step
+    assert fit[6] - fit[5] > 4.0  # the seventh row's block is charged
+    assert fit[12:].tolist() == pytest.approx([55.3 + (61.9 - 55.3) * i / 4 for i in range(1, 5)])  # interpolated
+    line = CostModel(contexts=(300,), sizes=(*range(1, 13), 16), ms=(ms,), fit="line").verify_ms(300)
+    assert line[5] - line[0] > 2.0  # the line charges 6 tokens more than a plain step
 
 
 def test_acceptance_reads_its_bin_and_depth():

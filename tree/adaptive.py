@@ -85,19 +85,33 @@ class LookupAcceptance:
         return cls(tuple(d["ngrams"]), tuple(tuple(r) for r in d["rates"]))
 
 
+FITS = ("steps", "line")
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Milliseconds of one step as a function of the tree's size and the cached context, for one set of kernels:
     the verify forward over n tree tokens (n = 1 is a plain decoding step), interpolated between the measured
-    sizes and context lengths, plus drafting (per head level run) and fixed per-step work."""
+    sizes and context lengths, plus drafting (per head level run) and fixed per-step work.
+
+    `fit` smooths each context's timings over the sizes, since single timings are noisy (+-10%) and noise that makes
+    some large trees look free biases the choice towards them:
+    - "steps": the closest non-decreasing function (isotonic). CPU GEMM kernels work on blocks of rows (6 on AVX2),
+      so a verify costs about the same from 1 to 6 tokens and jumps at 7; a line hides those steps and charges
+      6 tokens like 7.
+    - "line": a least-squares line through the tree sizes (>= 2), never below a plain step (heads calibrated
+      before "steps" existed)."""
 
     contexts: tuple[int, ...]  # cached tokens measured, increasing
     sizes: tuple[int, ...]  # tree tokens measured (root included), increasing, starting at 1
     ms: tuple[tuple[float, ...], ...]  # ms[c][s]: verify over sizes[s] tokens after contexts[c] cached tokens
     draft_ms: float = 0.0  # one level of drafting (a head over the level's parents)
     overhead_ms: float = 0.0  # per-step work besides verify and drafting (accept, commit, Python)
+    fit: str = "steps"  # how timings are smoothed over sizes: "steps" or "line" (see above)
 
     def __post_init__(self) -> None:
+        if self.fit not in FITS:
+            raise ValueError(f"cost model fit must be one of {FITS}, got {self.fit!r}")
         if not self.contexts or list(self.contexts) != sorted(set(self.contexts)):
             raise ValueError(f"cost model contexts must increase, got {self.contexts}")
         if not self.sizes or self.sizes[0] != 1 or list(self.sizes) != sorted(set(self.sizes)):
@@ -111,7 +125,7 @@ class CostModel:
 
     def verify_ms(self, context: int) -> torch.Tensor:
         """(max_size,) verify milliseconds for 1..max_size tree tokens after `context` cached tokens (linear in
-        both; beyond the measured contexts, extrapolated from the last two; trees: a line fitted over sizes >= 2)."""
+        both; beyond the measured contexts, extrapolated from the last two; over sizes, smoothed by `fit`)."""
         rows = self._by_size  # (C, max_size)
         if len(self.contexts) == 1:
             return rows[0]
@@ -127,11 +141,13 @@ class CostModel:
         n = torch.arange(1, self.max_size + 1, dtype=torch.float64)
         rows = []
         for row in torch.tensor(self.ms, dtype=torch.float64):
+            if self.fit == "steps":
+                steps = torch.tensor(isotonic(row.tolist(), [1.0] * len(self.sizes)), dtype=torch.float64)
+                rows.append(_interp(n, sizes, steps))
+                continue
             if len(self.sizes) < 3:
                 rows.append(_interp(n, sizes, row).cummax(0).values)
                 continue
-            # Timings of single sizes are noisy (+-10%), and noise that makes some large trees look free biases the
-            # choice towards them: a least-squares line through the tree sizes (>= 2), never below a plain step.
             x, y = sizes[1:], row[1:]
             slope = (((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()).clamp_min(0.0)
             fit = y.mean() + slope * (n - x.mean())
@@ -140,12 +156,12 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"contexts": list(self.contexts), "sizes": list(self.sizes), "ms": [list(r) for r in self.ms],
-                "draft_ms": self.draft_ms, "overhead_ms": self.overhead_ms}
+                "draft_ms": self.draft_ms, "overhead_ms": self.overhead_ms, "fit": self.fit}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         return cls(tuple(d["contexts"]), tuple(d["sizes"]), tuple(tuple(r) for r in d["ms"]),
-                   float(d.get("draft_ms", 0.0)), float(d.get("overhead_ms", 0.0)))
+                   float(d.get("draft_ms", 0.0)), float(d.get("overhead_ms", 0.0)), d.get("fit", "line"))
 
 
 def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:

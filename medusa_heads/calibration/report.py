@@ -30,6 +30,7 @@ def write_report(config: MedusaConfig, details: dict, folder: str | Path) -> Pat
         lines += _lookup_md(merged["lookup"], LookupAcceptance.from_dict(adaptive["lookup"]))
     for key, cost in sorted(adaptive.get("cost", {}).items()):
         lines += _cost_md(key, CostModel.from_dict(cost), merged["cost"].get(key, {}))
+        _plot_cost(key, CostModel.from_dict(cost), folder / f"cost-{key}.png")
     out = folder / "report.md"
     out.write_text("\n".join(lines) + "\n")
     return out
@@ -112,14 +113,37 @@ def _cost_md(key: str, cost: CostModel, settings: dict) -> list[str]:
         "",
         f"Verify milliseconds (median; size 1 = a plain decoding step) by tree tokens and cached context ({how}). "
         f"One drafting level (a head's top-k for 4 parents, mean over the heads): {cost.draft_ms:.2f} ms; "
-        f"per-step overhead {cost.overhead_ms:.1f} ms.",
+        f"per-step overhead {cost.overhead_ms:.1f} ms. Each cell: measured, then (in brackets) what the tree "
+        f"selection charges after the {cost.fit!r} fit.",
         "",
         "| tree tokens | " + " | ".join(f"ctx {c}" for c in cost.contexts) + " |",
         "|---|" + "---|" * len(cost.contexts),
     ]
+    fitted = [cost.verify_ms(c) for c in cost.contexts]
     for s, size in enumerate(cost.sizes):
-        lines.append(f"| {size} | " + " | ".join(f"{row[s]:.1f}" for row in cost.ms) + " |")
+        lines.append(f"| {size} | " + " | ".join(f"{row[s]:.1f} ({fit[size - 1]:.1f})" for row, fit in zip(cost.ms, fitted)) + " |")
     return lines + [""]
+
+
+def _plot_cost(key: str, cost: CostModel, png: Path) -> None:
+    """Measured verify milliseconds (points) and what the tree selection charges (lines), per cached context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    n = range(1, cost.max_size + 1)
+    for c, row in zip(cost.contexts, cost.ms):
+        line, = ax.plot(n, cost.verify_ms(c).tolist(), "-", lw=1.5, label=f"ctx {c} ({cost.fit} fit)")
+        ax.plot(cost.sizes, row, "o", ms=3, color=line.get_color())
+    ax.set_xlabel("tree tokens (1 = a plain decoding step)")
+    ax.set_ylabel("verify ms")
+    ax.set_title(f"cost model: {key}")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
 
 
 def _plot_reliability(a: dict, png: Path) -> None:
