@@ -56,6 +56,7 @@ class AdaptiveDrafter:
         self.topk, self.beam = min(topk, heads.config.draft_vocab_size), min(beam, cost.max_size)
         self.depth = heads.config.num_heads
         self.correction = Correction(self.depth)
+        self._top_rate = acceptance.table().max(dim=1).values.tolist()  # per depth: the most a node can be accepted
         self._drafted: list[tuple[list[int], list[float], list[int]]] = []  # per row: parents, worth, slot
 
     def draft(self, hidden: torch.Tensor, sequences: list[torch.Tensor], buffers: TreeBuffers) -> list[Draft]:
@@ -68,10 +69,9 @@ class AdaptiveDrafter:
         tok, par, val, slot = [int(sequence[-1])], [-1], [1.0], [0]  # candidates; node 0 is the root
         paths = [[tok[0]]]  # each candidate's tokens from the root (drafted ones: lookup's come after)
         verify_ms = self.cost.verify_ms(sequence.shape[0] - 1)  # (max_size,)
-        worth_a_level = self.cost.draft_ms / float(verify_ms[0])  # a level must promise this much to be drafted
         frontier, levels = [0], 0
         for d in range(1, self.depth + 1):
-            if not frontier or val[frontier[0]] < worth_a_level:
+            if not frontier or not self._worth_drafting(d, val, frontier, verify_ms, levels):
                 break
             context = torch.tensor([paths[i] for i in frontier], device=device)  # (F, d): root .. parent
             logits = self.heads.head_logits(d - 1, h.expand(len(frontier), -1), context)  # (F, V')
@@ -99,6 +99,21 @@ class AdaptiveDrafter:
         self._drafted.append((list(parents), [1.0] + [val[c] for c in keep], [0] + [slot[c] for c in keep]))
         tokens = torch.tensor([tok[c] for c in keep], dtype=torch.long, device=device)
         return Draft(tokens, from_parents(parents, device))
+
+    def _worth_drafting(self, d: int, val: list[float], frontier: list[int], verify_ms: torch.Tensor, levels: int) -> bool:
+        """Whether drafting level d (and below) could change this step's tree: its nodes are worth at most
+        w = (best frontier worth) x (the largest acceptance at depth d), so a tree that uses them yields at most
+        1 + (the c candidates worth more than w) + w per further node, and costs at least one more level. If that
+        bound per millisecond is no better than the best tree of the candidates at hand, stop here."""
+        w = val[frontier[0]] * min(self._top_rate[min(d, len(self._top_rate)) - 1] * self.correction.factor(d), 1.0)
+        step_ms = verify_ms + levels * self.cost.draft_ms + self.cost.overhead_ms
+        have = torch.tensor(sorted(val[1:], reverse=True)[: step_ms.shape[0] - 1], dtype=torch.float32)
+        tau = 1.0 + torch.cat([have.new_zeros(1), have.cumsum(0)])  # (m + 1,): the best tree of 0..m candidates
+        best = float((tau / step_ms[: tau.shape[0]]).max())
+        c = int((have > w).sum())
+        m = torch.arange(c + 1, step_ms.shape[0], dtype=torch.float32)  # tree sizes that could take a new node
+        bound = (float(tau[c]) + (m - c) * w) / (step_ms[c + 1 :] + self.cost.draft_ms)
+        return bool(bound.numel()) and float(bound.max()) > best
 
     def _merge_lookup(self, sequence: torch.Tensor, tok: list[int], par: list[int], val: list[float],
                       slot: list[int], paths: list[list[int]]) -> None:

@@ -90,6 +90,7 @@ class MedusaHeads(nn.Module):
             self.lm_heads = None
             self.register_buffer("shared_weight", rows, persistent=False)  # (V', H), frozen
         self.scorer = None  # (z, shared_weight) -> z @ shared_weight.T another way (prepack_heads: oneDNN); see use_scorer
+        self._joint: dict[int, tuple] = {}  # head -> (weights' identity, its joint context projection); see _joint_proj
 
     def _check_context(self, h: torch.Tensor, context: torch.Tensor | None, width: int) -> None:
         if width == 0:
@@ -119,10 +120,34 @@ class MedusaHeads(nn.Module):
         block = self.blocks[k]
         h = h.to(self.dtype)
         if self.token_proj is not None:
-            self._check_context(h, context, self.config.context_slots(k))
-            for j, proj in enumerate(self.token_proj[k]):
-                h = h + proj(self.embed_weight[context[..., j]].to(h.dtype))
+            slots = self.config.context_slots(k)
+            self._check_context(h, context, slots)
+            embedded = self.embed_weight[context[..., :slots]].to(h.dtype)  # (..., S, H)
+            if torch.is_grad_enabled() or slots == 1:
+                for j, proj in enumerate(self.token_proj[k]):
+                    h = h + proj(embedded[..., j, :])
+            else:  # drafting: head k's S projections as one product over the S embeddings side by side
+                h = h + self._joint_proj(k)(embedded.flatten(-2))
         return block(h)
+
+    def _joint_proj(self, k: int):
+        """x (..., S * H) -> (..., H): sum_j P_kj x_j through [P_k0 | ... | P_k(S-1)], built once per version of the
+        weights (a training step, .to() or prepacking builds it anew), through oneDNN where the heads are prepacked."""
+        from medusa_heads.inference.prepack import PackedLinear, PackedWeight
+
+        projs = list(self.token_proj[k])
+        packed = all(isinstance(p, PackedLinear) and p.enabled for p in projs)
+        key = (packed, *((p.weight.data_ptr(), p.weight._version, p.weight.dtype, p.weight.device) for p in projs))
+        cached = self._joint.get(k)
+        if cached is None or cached[0] != key:
+            weight = torch.cat([p.weight.detach() for p in projs], dim=1)  # (H, S * H)
+            if packed and weight.device.type == "cpu":
+                scorer = PackedWeight(weight)
+                fn = lambda x: scorer(x, weight)  # noqa: E731
+            else:
+                fn = lambda x: x @ weight.T  # noqa: E731
+            cached = self._joint[k] = (key, fn)
+        return cached[1]
 
     def hidden(self, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) -> (K, ..., H): each head's residual stack."""

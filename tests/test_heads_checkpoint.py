@@ -216,3 +216,28 @@ def test_mlp_heads_start_as_the_base_lm_head_round_trip_and_refuse_the_reference
         export_reference(MedusaHeads(cfg, w), w, tmp_path / "ref")
     with pytest.raises(ValueError, match="mlp_size must be >= 0"):
         MedusaConfig(hidden_size=8, vocab_size=20, mlp_size=-1)
+
+
+@pytest.mark.parametrize("prepacked", [False, True])
+def test_drafting_projects_the_path_in_one_product_equal_to_the_per_slot_sum_and_follows_new_weights(prepacked):
+    from medusa_heads.inference.prepack import prepack_heads, prepack_supported
+
+    if prepacked and not prepack_supported():
+        pytest.skip("no oneDNN packed linear in this PyTorch build")
+    w, emb = torch.randn(20, 8), torch.randn(20, 8)
+    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=1, hidden_size=8, vocab_size=20, condition="path"), w, emb)
+    for p in heads.parameters():
+        p.data.normal_()
+    if prepacked:
+        prepack_heads(heads)
+    context, h = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.randn(2, 8)
+    seen = []
+    for _ in range(1 if prepacked else 2):  # a packed copy serves the weights it was made from only (inference)
+        per_slot = heads.hidden(h, context)  # grad mode: one projection per slot, as training runs them
+        with torch.no_grad():
+            joint = heads.hidden(h, context)  # drafting
+        assert torch.allclose(joint, per_slot, atol=1e-5)
+        seen.append(joint)
+        with torch.no_grad():
+            heads.token_proj[2][1].weight.mul_(3.0)  # a training step in place: the joint weight is built anew
+    assert prepacked or not torch.allclose(seen[0][2], seen[1][2])  # and the second round saw the new weight
