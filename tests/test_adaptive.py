@@ -107,6 +107,41 @@ def test_adaptive_trees_keep_greedy_output_the_targets(arch):
             assert len(set(sizes)) > 2 and max(sizes) > 6, "cheap trees should vary with the heads' confidence"
 
 
+@pytest.mark.parametrize("cost,skips", [
+    (FLAT, False),  # nodes nearly free: every level is worth drafting
+    (STEEP, True),
+    (CostModel(contexts=(0,), sizes=(1, 6, 7, 32), ms=((10.0, 10.0, 13.0, 40.0),), draft_ms=0.8), True),
+], ids=["flat", "steep", "steps"])
+def test_a_level_is_skipped_only_where_drafting_it_could_not_give_a_better_tree(cost, skips, monkeypatch):
+    """The bound behind skipping a level: the tree chosen without it promises at least the expected tokens per
+    millisecond of the tree chosen when every level is drafted (and paid for); prompt lookup off."""
+    model = calibrated(tiny_model(), cost, rates=(0.1, 0.4, 0.7, 0.97), num_heads=4, std=0.5)
+    g = torch.Generator().manual_seed(3)
+    cases = [(torch.randn(32, generator=g) * s, torch.randint(0, 96, (12,), generator=g)) for s in (0.3, 1.0, 3.0, 10.0)
+             for _ in range(6)]
+
+    def promised(skip: bool) -> tuple[list[float], int]:
+        """Each case's expected tokens per ms of its chosen tree, counting the levels drafted; levels in all."""
+        drafter = AdaptiveDrafter(model.heads, model._adaptive_config()[0], cost, topk=3, beam=3)
+        if not skip:
+            monkeypatch.setattr(AdaptiveDrafter, "_worth_drafting", lambda self, *a: True)
+        calls, real = [], model.heads.head_logits
+        monkeypatch.setattr(model.heads, "head_logits", lambda k, *a: calls.append(k) or real(k, *a))
+        out = []
+        for h, seq in cases:
+            before = len(calls)
+            draft = drafter._draft_row(h, seq)
+            worth = drafter._drafted[-1][1]  # the root's 1, then each kept node's worth
+            ms = cost.verify_ms(seq.shape[0] - 1)[draft.tokens.shape[0]] + (len(calls) - before) * cost.draft_ms
+            out.append(sum(worth) / float(ms + cost.overhead_ms))
+        monkeypatch.undo()
+        return out, len(calls)
+
+    (pruned, pruned_levels), (full, full_levels) = promised(skip=True), promised(skip=False)
+    assert all(p >= f - 1e-6 for p, f in zip(pruned, full)), list(zip(pruned, full))
+    assert full_levels == 4 * len(cases) and (pruned_levels < full_levels) == skips
+
+
 def test_trees_shrink_where_the_heads_are_wrong():
     """Heads that promise 95% but are always wrong: the call's own acceptance pulls the tree down to plain steps."""
     base = tiny_model("llama", seed=4)
