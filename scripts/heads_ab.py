@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Two or more sets of heads on one target in one process: each against transformers' generate, all alternating
-per prompt (the order rotates), greedy, with the configured tree of each (the per-step tree for calibrated heads).
+per prompt (the order rotates), greedy (or sampled: --sample), with the configured tree of each (the per-step tree for calibrated heads).
 
     python scripts/heads_ab.py --heads medusa_heads/default_heads runs/smollm2-135m-heads-more \
         --prompts data/bench_prompts.jsonl data/bench_prompts_new.jsonl --out results/heads/ab.md
@@ -29,6 +29,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sample", action="store_true",
+                   help="sample at T 0.7, top-p 0.9 (each contender seeded alike per prompt) instead of greedy")
     p.add_argument("--out", default=None, help="Markdown file for the table")
     args = p.parse_args()
     if len(args.heads) < 2 or len(set(args.heads)) < len(args.heads):
@@ -40,11 +42,14 @@ def main() -> None:
     models = {name: MedusaModel.from_pretrained(base, heads=name) for name in args.heads}
     rows = [(Path(f).stem, r) for f in args.prompts for r in read_prompts(f)]
 
-    def run(who: str, ids: torch.Tensor):
+    gen = dict(do_sample=True, temperature=0.7, top_p=0.9) if args.sample else dict(do_sample=False)
+
+    def run(who: str, ids: torch.Tensor, seed: int = 0):
+        torch.manual_seed(seed)
         if who == "generate":
-            return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False), None
+            return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, **gen), None
         out = models[who].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                   return_dict_in_generate=True)
+                                   return_dict_in_generate=True, **gen)
         return out.sequences, out.stats.mean_accepted
 
     contenders = ["generate", *args.heads]
@@ -57,7 +62,7 @@ def main() -> None:
         outs = {}
         for who in contenders[i % len(contenders):] + contenders[: i % len(contenders)]:
             t0 = time.perf_counter()
-            seq, tau = run(who, ids)
+            seq, tau = run(who, ids, seed=i)
             dt = time.perf_counter() - t0
             outs[who] = seq
             for key in ("overall", f"{stem}: {row.category or 'uncategorised'}"):
@@ -73,10 +78,10 @@ def main() -> None:
 
     names = [chr(ord("A") + i) for i in range(len(args.heads))]
     lines = [f"Heads {'; '.join(f'{n} = `{h}`' for n, h in zip(names, args.heads))}; {len(rows)} prompts "
-             f"({', '.join(args.prompts)}), greedy, {args.max_new_tokens} new tokens, {args.threads} threads, one process, "
+             f"({', '.join(args.prompts)}), {'sampled at T 0.7, top-p 0.9' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {args.threads} threads, one process, "
              f"generate / {' / '.join(names)} alternating per prompt.", ""]
     head = ["prompts"] + [f"{n} {c}" for n in names for c in ("speed-up", "tau")]
-    head += [f"{n} / A" for n in names[1:]] + ["identical " + ", ".join(names)]
+    head += [f"{n} / A" for n in names[1:]] + ([] if args.sample else ["identical " + ", ".join(names)])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = sorted({k for k, _ in acc if k != "overall"}) + ["overall"]
     for key in keys:
@@ -84,7 +89,8 @@ def main() -> None:
         tau = {who: sum(acc[(key, who)]["taus"]) / len(acc[(key, who)]["taus"]) for who in args.heads}
         cells = [key] + [x for w in args.heads for x in (f"{tps[w] / tps['generate']:.2f}x", f"{tau[w]:.2f}")]
         cells += [f"{tps[w] / tps[args.heads[0]]:.3f}" for w in args.heads[1:]]
-        cells.append(", ".join(f"{acc[(key, w)]['same']}/{acc[(key, w)]['prompts']}" for w in args.heads))
+        if not args.sample:  # sampled outputs differ from generate's draws (same distribution, other random numbers)
+            cells.append(", ".join(f"{acc[(key, w)]['same']}/{acc[(key, w)]['prompts']}" for w in args.heads))
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
