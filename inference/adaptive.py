@@ -91,7 +91,7 @@ class AdaptiveDrafter:
             self._merge_lookup(sequence, tok, par, val, slot, paths)
 
         order = sorted(range(1, len(tok)), key=lambda i: (-val[i], len(paths[i])))[: self.cost.max_size - 1]
-        step_ms = verify_ms + levels * self.cost.draft_ms + self.cost.overhead_ms
+        step_ms = self._step_ms(verify_ms, levels)
         n = best_size(torch.tensor([val[i] for i in order]), step_ms)
         keep = order[:n]  # parents before children: worth never grows down a path, ties go to the shallower
         index = {c: i + 1 for i, c in enumerate(keep)}
@@ -100,13 +100,17 @@ class AdaptiveDrafter:
         tokens = torch.tensor([tok[c] for c in keep], dtype=torch.long, device=device)
         return Draft(tokens, from_parents(parents, device))
 
+    def _step_ms(self, verify_ms: torch.Tensor, levels: int) -> torch.Tensor:
+        """(max_size,) the step's milliseconds with 1..max_size tree tokens after `levels` drafting levels."""
+        return verify_ms + levels * self.cost.draft_ms + self.cost.overhead_ms
+
     def _worth_drafting(self, d: int, val: list[float], frontier: list[int], verify_ms: torch.Tensor, levels: int) -> bool:
         """Whether drafting level d (and below) could change this step's tree: its nodes are worth at most
         w = (best frontier worth) x (the largest acceptance at depth d), so a tree that uses them yields at most
         1 + (the c candidates worth more than w) + w per further node, and costs at least one more level. If that
         bound per millisecond is no better than the best tree of the candidates at hand, stop here."""
         w = val[frontier[0]] * min(self._top_rate[min(d, len(self._top_rate)) - 1] * self.correction.factor(d), 1.0)
-        step_ms = verify_ms + levels * self.cost.draft_ms + self.cost.overhead_ms
+        step_ms = self._step_ms(verify_ms, levels)
         have = torch.tensor(sorted(val[1:], reverse=True)[: step_ms.shape[0] - 1], dtype=torch.float32)
         tau = 1.0 + torch.cat([have.new_zeros(1), have.cumsum(0)])  # (m + 1,): the best tree of 0..m candidates
         best = float((tau / step_ms[: tau.shape[0]]).max())
