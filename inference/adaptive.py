@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from medusa_heads.heads import MedusaHeads
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size, tokens_per_ms
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
 from medusa_heads.inference.propose import MAX_NGRAM, Draft, lookup_match
 
@@ -112,11 +112,10 @@ class AdaptiveDrafter:
         w = val[frontier[0]] * min(self._top_rate[min(d, len(self._top_rate)) - 1] * self.correction.factor(d), 1.0)
         step_ms = self._step_ms(verify_ms, levels)
         have = torch.tensor(sorted(val[1:], reverse=True)[: step_ms.shape[0] - 1], dtype=torch.float32)
-        tau = 1.0 + torch.cat([have.new_zeros(1), have.cumsum(0)])  # (m + 1,): the best tree of 0..m candidates
-        best = float((tau / step_ms[: tau.shape[0]]).max())
+        best = float(tokens_per_ms(have, step_ms).max())  # the best tree of the candidates at hand
         c = int((have > w).sum())
         m = torch.arange(c + 1, step_ms.shape[0], dtype=torch.float32)  # tree sizes that could take a new node
-        bound = (float(tau[c]) + (m - c) * w) / (step_ms[c + 1 :] + self.cost.draft_ms)
+        bound = (1.0 + float(have[:c].sum()) + (m - c) * w) / (step_ms[c + 1 :] + self.cost.draft_ms)
         return bool(bound.numel()) and float(bound.max()) > best
 
     def _merge_lookup(self, sequence: torch.Tensor, tok: list[int], par: list[int], val: list[float],

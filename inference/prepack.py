@@ -9,6 +9,8 @@ they were) plus a packed copy. Inference only: the packed copy does not follow l
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -83,13 +85,19 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
     return swapped
 
 
+def pack_weight(weight: torch.Tensor, batch_hint: int = 8) -> PackedWeight | None:
+    """A PackedWeight for a CPU weight in fp32 or bf16; None (the plain product) for any other."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return PackedWeight(weight, batch_hint)
+
+
 def prepack_heads(heads: nn.Module, batch_hint: int = 8) -> int:
-    """prepack_linears for MedusaHeads, plus their scoring through the shared LM-head rows (drafting is a few rows
-    per level, where the stock kernels are slowest). Drafts only: exactness never depends on it."""
+    """prepack_linears for MedusaHeads, plus the products that belong to no Linear (scoring through the shared
+    LM-head rows, the joint context projections): drafting is a few rows per level, where the stock kernels are
+    slowest. Drafts only: exactness never depends on it."""
     swapped = prepack_linears(heads, batch_hint)
-    if getattr(heads, "shared_weight", None) is not None:
-        heads.use_scorer(PackedWeight(heads.shared_weight, batch_hint))
-        swapped += 1
+    heads.use_kernels(functools.partial(pack_weight, batch_hint=batch_hint))
     return swapped
 
 

@@ -89,8 +89,9 @@ class MedusaHeads(nn.Module):
         else:
             self.lm_heads = None
             self.register_buffer("shared_weight", rows, persistent=False)  # (V', H), frozen
-        self.scorer = None  # (z, shared_weight) -> z @ shared_weight.T another way (prepack_heads: oneDNN); see use_scorer
-        self._joint: dict[int, tuple] = {}  # head -> (weights' identity, its joint context projection); see _joint_proj
+        self.pack = None  # weight -> fn(x, weight) = x @ weight.T on other kernels (prepack_heads: oneDNN); see use_kernels
+        self._scorer = None  # self.pack(shared_weight)
+        self._joint: dict[int, tuple] = {}  # head -> (its weights' identity, joint weight, packed); see _joint_proj
 
     def _check_context(self, h: torch.Tensor, context: torch.Tensor | None, width: int) -> None:
         if width == 0:
@@ -132,22 +133,15 @@ class MedusaHeads(nn.Module):
 
     def _joint_proj(self, k: int):
         """x (..., S * H) -> (..., H): sum_j P_kj x_j through [P_k0 | ... | P_k(S-1)], built once per version of the
-        weights (a training step, .to() or prepacking builds it anew), through oneDNN where the heads are prepacked."""
-        from medusa_heads.inference.prepack import PackedLinear, PackedWeight
-
-        projs = list(self.token_proj[k])
-        packed = all(isinstance(p, PackedLinear) and p.enabled for p in projs)
-        key = (packed, *((p.weight.data_ptr(), p.weight._version, p.weight.dtype, p.weight.device) for p in projs))
+        weights (a training step or .to() builds it anew) and packed as use_kernels says."""
+        projs = self.token_proj[k]
+        key = tuple((p.weight.data_ptr(), p.weight._version, p.weight.dtype, p.weight.device) for p in projs)
         cached = self._joint.get(k)
         if cached is None or cached[0] != key:
             weight = torch.cat([p.weight.detach() for p in projs], dim=1)  # (H, S * H)
-            if packed and weight.device.type == "cpu":
-                scorer = PackedWeight(weight)
-                fn = lambda x: scorer(x, weight)  # noqa: E731
-            else:
-                fn = lambda x: x @ weight.T  # noqa: E731
-            cached = self._joint[k] = (key, fn)
-        return cached[1]
+            cached = self._joint[k] = (key, weight, None if self.pack is None else self.pack(weight))
+        _, weight, packed = cached
+        return lambda x: _product(x, weight, packed)
 
     def hidden(self, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) -> (K, ..., H): each head's residual stack."""
@@ -166,15 +160,17 @@ class MedusaHeads(nn.Module):
         z = self.head_hidden(k, h, context)
         return self._score(z) if self.lm_heads is None else self.lm_heads[k](z)
 
-    def use_scorer(self, scorer) -> None:
-        """Score with the shared LM-head rows through scorer(z, shared_weight) (same product, other kernels); None:
-        plain matmul."""
-        if scorer is not None and self.shared_weight is None:
-            raise ValueError("these heads have their own LM heads: there is no shared product to score with")
-        self.scorer = scorer
+    def use_kernels(self, pack) -> None:
+        """Run the products that belong to no nn.Linear (scoring through the shared LM-head rows, each head's joint
+        context projection) through pack(weight) -> fn(x, weight) (inference.prepack.pack_weight: oneDNN), or
+        plain matmul for None. pack may return None for a weight it cannot serve; fn falls back to the plain
+        product itself once the heads' weights have been replaced (a .to()). Drafts only: output never depends on it."""
+        self.pack = pack
+        self._joint.clear()
+        self._scorer = None if pack is None or self.shared_weight is None else pack(self.shared_weight)
 
     def _score(self, z: torch.Tensor) -> torch.Tensor:
-        return z @ self.shared_weight.T if self.scorer is None else self.scorer(z, self.shared_weight)
+        return _product(z, self.shared_weight, self._scorer)
 
     def token_ids(self, ranks: torch.Tensor) -> torch.Tensor:
         """Rows of the heads' logits (draft-vocabulary ranks) -> token ids."""
@@ -189,3 +185,8 @@ class MedusaHeads(nn.Module):
     def head_topk(self, head: int, h: torch.Tensor, k: int, context: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) -> (..., k) token ids: head `head`'s (0-based) k best guesses."""
         return self.token_ids(self.head_logits(head, h, context).topk(k, dim=-1).indices)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
+    """x @ weight.T, through `packed` (see MedusaHeads.use_kernels) where there is one."""
+    return x @ weight.T if packed is None else packed(x, weight)

@@ -84,15 +84,15 @@ def test_prepacked_heads_score_as_the_stock_heads_save_the_same_and_fall_back_wh
     trained.save_pretrained(tmp_path / "h")
     model = MedusaModel.from_pretrained(base, heads=tmp_path / "h", prepack=True, draft_dtype=torch.float32)
     heads = model.heads  # loaded heads are packed
-    assert is_prepacked(heads) and heads.scorer is not None
+    assert is_prepacked(heads) and heads.pack is not None
     h, context = torch.randn(7, 32), torch.randint(0, 96, (7, 4))
     with torch.no_grad():
         packed = heads(h, context)
-        scorer = heads.scorer
-        heads.use_scorer(None)
+        pack = heads.pack
+        heads.use_kernels(None)
         with stock_kernels(heads):
             stock = heads(h, context)
-        heads.use_scorer(scorer)
+        heads.use_kernels(pack)
         torch.testing.assert_close(packed, stock, rtol=1e-4, atol=1e-4)
         assert not torch.equal(packed, heads.blocks[0](h) @ heads.shared_weight.T)  # the heads are not the identity
         save_heads(tmp_path / "again", heads, model.config)

@@ -178,13 +178,18 @@ def kernels_key(model: torch.nn.Module, prepacked: bool) -> str:
     return f"{'prepacked' if prepacked else 'stock'}-{str(param.dtype).removeprefix('torch.')}-{param.device.type}"
 
 
-def best_size(values: torch.Tensor, step_ms: torch.Tensor) -> int:
+def tokens_per_ms(values: torch.Tensor, step_ms: torch.Tensor) -> torch.Tensor:
     """values: (M,) worth of candidate nodes, best first, each at most its parent's (so any first n is
-    prefix-closed); step_ms: (>= M + 1,) the step's milliseconds with 1..M+1 tree tokens. Returns the n in 0..M
-    whose tree gives the most expected tokens per millisecond (0: a plain step)."""
+    prefix-closed); step_ms: (>= M + 1,) the step's milliseconds with 1..M+1 tree tokens. Returns (m + 1,), for
+    n in 0..m = min(M, len(step_ms) - 1): the expected tokens per millisecond of the tree of the first n."""
     m = min(values.shape[0], step_ms.shape[0] - 1)
     tau = 1.0 + torch.cat([values.new_zeros(1), values[:m].cumsum(0)])  # (m + 1,)
-    return int((tau / step_ms[: m + 1].to(tau.dtype)).argmax())
+    return tau / step_ms[: m + 1].to(tau.dtype)
+
+
+def best_size(values: torch.Tensor, step_ms: torch.Tensor) -> int:
+    """The n in 0..M whose tree (see tokens_per_ms) gives the most expected tokens per millisecond (0: a plain step)."""
+    return int(tokens_per_ms(values, step_ms).argmax())
 
 
 def isotonic(y: list[float], w: list[float]) -> list[float]:
