@@ -31,13 +31,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sample", action="store_true",
                    help="sample at T 0.7, top-p 0.9 (each contender seeded alike per prompt) instead of greedy")
+    p.add_argument("--no-prepack", action="store_true",
+                   help="the stock kernels (a model the user loaded): the heads draft with their stock cost model")
     p.add_argument("--out", default=None, help="Markdown file for the table")
     args = p.parse_args()
     if len(args.heads) < 2 or len(set(args.heads)) < len(args.heads):
         p.error(f"--heads takes two or more different directories, got {args.heads}")
     torch.set_num_threads(args.threads)
 
-    base = load_base(args.model)  # prepacked on a CPU: both heads draft for, and generate runs on, the same kernels
+    base = load_base(args.model, prepack=not args.no_prepack)  # every contender and generate on the same kernels
     tok = load_tokenizer(args.model)
     models = {name: MedusaModel.from_pretrained(base, heads=name) for name in args.heads}
     rows = [(Path(f).stem, r) for f in args.prompts for r in read_prompts(f)]
@@ -78,7 +80,7 @@ def main() -> None:
 
     names = [chr(ord("A") + i) for i in range(len(args.heads))]
     lines = [f"Heads {'; '.join(f'{n} = `{h}`' for n, h in zip(names, args.heads))}; {len(rows)} prompts "
-             f"({', '.join(args.prompts)}), {'sampled at T 0.7, top-p 0.9' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {args.threads} threads, one process, "
+             f"({', '.join(args.prompts)}), {'sampled at T 0.7, top-p 0.9' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {'stock' if args.no_prepack else 'prepacked'} kernels, {args.threads} threads, one process, "
              f"generate / {' / '.join(names)} alternating per prompt.", ""]
     head = ["prompts"] + [f"{n} {c}" for n in names for c in ("speed-up", "tau")]
     head += [f"{n} / A" for n in names[1:]] + ([] if args.sample else ["identical " + ", ".join(names)])
