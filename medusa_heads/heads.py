@@ -128,10 +128,10 @@ class MedusaHeads(nn.Module):
                 for j, proj in enumerate(self.token_proj[k]):
                     h = h + proj(embedded[..., j, :])
             else:  # drafting: head k's S projections as one product over the S embeddings side by side
-                h = h + self._joint_proj(k)(embedded.flatten(-2))
+                h = h + self._joint_proj(k, embedded.flatten(-2))
         return block(h)
 
-    def _joint_proj(self, k: int):
+    def _joint_proj(self, k: int, x: torch.Tensor) -> torch.Tensor:
         """x (..., S * H) -> (..., H): sum_j P_kj x_j through [P_k0 | ... | P_k(S-1)], built once per version of the
         weights (a training step or .to() builds it anew) and packed as use_kernels says."""
         projs = self.token_proj[k]
@@ -140,8 +140,7 @@ class MedusaHeads(nn.Module):
         if cached is None or cached[0] != key:
             weight = torch.cat([p.weight.detach() for p in projs], dim=1)  # (H, S * H)
             cached = self._joint[k] = (key, weight, None if self.pack is None else self.pack(weight))
-        _, weight, packed = cached
-        return lambda x: _product(x, weight, packed)
+        return _product(x, cached[1], cached[2])
 
     def hidden(self, h: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) -> (K, ..., H): each head's residual stack."""
