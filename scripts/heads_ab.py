@@ -5,6 +5,12 @@ per prompt (the order rotates), greedy (or sampled: --sample), with the configur
     python scripts/heads_ab.py --heads medusa_heads/default_heads runs/smollm2-135m-heads-more \
         --prompts data/bench_prompts.jsonl data/bench_prompts_new.jsonl --out results/heads/ab.md
 
+With --batch-hints (one per heads directory) each set of heads runs on its own copy of the target, prepacked for
+that many rows, against generate on that same copy; "B / A" then compares the two kernels' tokens/s too:
+
+    python scripts/heads_ab.py --heads medusa_heads/default_heads runs/heads-h16 --batch-hints 8 16 \
+        --prompts data/bench_prompts.jsonl --out results/kernels/ab.md
+
 Prints, per category and overall, tokens/s of each as a ratio to generate and to the first heads (A), tau, and how
 many outputs equal generate's; writes the same table as Markdown to --out."""
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_heads import MedusaModel, prompt_ids
+from medusa_heads.inference.prepack import prepack_linears
 from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.training.data import read_prompts
 
@@ -33,28 +40,41 @@ def main() -> None:
                    help="sample at T 0.7, top-p 0.9 (each contender seeded alike per prompt) instead of greedy")
     p.add_argument("--no-prepack", action="store_true",
                    help="the stock kernels (a model the user loaded): the heads draft with their stock cost model")
+    p.add_argument("--batch-hints", nargs="+", type=int, default=None,
+                   help="one per heads directory: each runs on a copy of the target prepacked for that many rows, "
+                        "against generate on that copy (the heads' cost model should be measured there)")
     p.add_argument("--out", default=None, help="Markdown file for the table")
     args = p.parse_args()
     if len(args.heads) < 2 or len(set(args.heads)) < len(args.heads):
         p.error(f"--heads takes two or more different directories, got {args.heads}")
+    if args.batch_hints and (args.no_prepack or len(args.batch_hints) != len(args.heads)):
+        p.error("--batch-hints takes one hint per heads directory, and prepacked kernels")
     torch.set_num_threads(args.threads)
 
-    base = load_base(args.model, prepack=not args.no_prepack)  # every contender and generate on the same kernels
     tok = load_tokenizer(args.model)
-    models = {name: MedusaModel.from_pretrained(base, heads=name) for name in args.heads}
+    hints = args.batch_hints or [None] * len(args.heads)
+    bases = {}  # hint -> the target prepacked for it (None: one target, as load_base packs it), shared by its heads
+    for hint in dict.fromkeys(hints):
+        bases[hint] = load_base(args.model, prepack=not args.no_prepack and hint is None)
+        if hint is not None:
+            prepack_linears(bases[hint], batch_hint=hint)
+    models = {name: MedusaModel.from_pretrained(bases[hint], heads=name) for name, hint in zip(args.heads, hints)}
+    generates = {hint: f"generate ({hint}-row packing)" if hint else "generate" for hint in bases}
     rows = [(Path(f).stem, r) for f in args.prompts for r in read_prompts(f)]
 
     gen = dict(do_sample=True, temperature=0.7, top_p=0.9) if args.sample else dict(do_sample=False)
 
     def run(who: str, ids: torch.Tensor, seed: int = 0):
         torch.manual_seed(seed)
-        if who == "generate":
+        if who in generates.values():
+            base = bases[next(h for h, g in generates.items() if g == who)]
             return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, **gen), None
         out = models[who].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                                    return_dict_in_generate=True, **gen)
         return out.sequences, out.stats.mean_accepted
 
-    contenders = ["generate", *args.heads]
+    baseline = dict(zip(args.heads, (generates[h] for h in hints)))  # each heads' own generate
+    contenders = [*generates.values(), *args.heads]
     warm = prompt_ids(tok, "Hello")
     for who in contenders:
         run(who, warm)
@@ -75,13 +95,14 @@ def main() -> None:
                     a["taus"].append(tau)
         for who in args.heads:
             for key in ("overall", f"{stem}: {row.category or 'uncategorised'}"):
-                acc[(key, who)]["same"] += int(torch.equal(outs[who], outs["generate"]))
+                acc[(key, who)]["same"] += int(torch.equal(outs[who], outs[baseline[who]]))
                 acc[(key, who)]["prompts"] += 1
 
     names = [chr(ord("A") + i) for i in range(len(args.heads))]
     lines = [f"Heads {'; '.join(f'{n} = `{h}`' for n, h in zip(names, args.heads))}; {len(rows)} prompts "
              f"({', '.join(args.prompts)}), {'sampled at T 0.7, top-p 0.9' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {'stock' if args.no_prepack else 'prepacked'} kernels, {args.threads} threads, one process, "
-             f"generate / {' / '.join(names)} alternating per prompt.", ""]
+             f"{' / '.join(generates.values())} / {' / '.join(names)} alternating per prompt"
+             + (f"; {', '.join(f'{n} on the {h}-row packing' for n, h in zip(names, hints))}, each against its own generate." if args.batch_hints else "."), ""]
     head = ["prompts"] + [f"{n} {c}" for n in names for c in ("speed-up", "tau")]
     head += [f"{n} / A" for n in names[1:]] + ([] if args.sample else ["identical " + ", ".join(names)])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -89,7 +110,7 @@ def main() -> None:
     for key in keys:
         tps = {who: acc[(key, who)]["tokens"] / acc[(key, who)]["seconds"] for who in contenders}
         tau = {who: sum(acc[(key, who)]["taus"]) / len(acc[(key, who)]["taus"]) for who in args.heads}
-        cells = [key] + [x for w in args.heads for x in (f"{tps[w] / tps['generate']:.2f}x", f"{tau[w]:.2f}")]
+        cells = [key] + [x for w in args.heads for x in (f"{tps[w] / tps[baseline[w]]:.2f}x", f"{tau[w]:.2f}")]
         cells += [f"{tps[w] / tps[args.heads[0]]:.3f}" for w in args.heads[1:]]
         if not args.sample:  # sampled outputs differ from generate's draws (same distribution, other random numbers)
             cells.append(", ".join(f"{acc[(key, w)]['same']}/{acc[(key, w)]['prompts']}" for w in args.heads))
