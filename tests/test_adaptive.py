@@ -4,8 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from medusa_heads import MedusaModel
+from transformers import AutoTokenizer
+
+from medusa_heads import MedusaModel, default_model_path, prompt_ids
 from medusa_heads.inference.adaptive import AdaptiveDrafter
+from medusa_heads.inference.prepack import bf16_supported, is_prepacked
 from medusa_heads.inference.propose import Draft, RowDrafter
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size, isotonic, kernels_key
 from medusa_heads.tree.buffers import build_buffers, from_parents
@@ -223,3 +226,23 @@ def test_new_heads_fit_the_default_tree_and_adaptive_needs_a_calibration():
         model.set_tree("adaptive")
     with pytest.raises(ValueError, match="needs its measured acceptance"):
         AdaptiveDrafter(model.heads, Acceptance(EDGES, ((0.5,) * 4,)), FLAT, None, lookup_tokens=4)
+
+
+@pytest.mark.skipif(not bf16_supported(), reason="no oneDNN bf16 kernels on this CPU")
+def test_the_shipped_heads_choose_trees_for_a_bf16_target_and_it_drifts_only_at_near_ties():
+    """bf16 on a CPU has its own cost model in the shipped heads (results/bf16/). A 12-token verify rounds otherwise
+    than a one-token step, so the output may leave generate's only where the target's top two are a near-tie."""
+    model = MedusaModel.from_pretrained(default_model_path(), dtype=torch.bfloat16)
+    base = model.base_model
+    assert model.adaptive and kernels_key(base, is_prepacked(base)) == "prepacked-bfloat16-cpu"
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    ids = prompt_ids(tok, "List three uses of copper and say why each needs it.")
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
+    res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, return_dict_in_generate=True)
+    assert res.stats.mean_accepted > 1.5 and max(res.stats.tree_sizes) > 1
+    out = res.sequences
+    if not torch.equal(out, ref):
+        p = int((out[0, : ref.shape[1]] != ref[0, : out.shape[1]]).nonzero()[0])
+        with torch.no_grad():
+            top2 = base(ref[:, :p]).logits[0, -1].float().topk(2).values
+        assert float(top2[0] - top2[1]) <= 0.05 * float(top2[0].abs().clamp_min(1.0)), (p, top2)
