@@ -96,7 +96,7 @@ class CostModel:
 
     `fit` smooths each context's timings over the sizes, since single timings are noisy (+-10%) and noise that makes
     some large trees look free biases the choice towards them:
-    - "steps": the closest non-decreasing function (isotonic). CPU GEMM kernels work on blocks of rows (6 on AVX2),
+    - "steps": the closest non-decreasing function (isotonic). CPU GEMM kernels work on blocks of rows (about 6 in fp32),
       so a verify costs about the same from 1 to 6 tokens and jumps at 7; a line hides those steps and charges
       6 tokens like 7.
     - "line": a least-squares line through the tree sizes (>= 2), never below a plain step (heads calibrated
