@@ -59,16 +59,16 @@ def main() -> None:
         if hint is not None:
             prepack_linears(bases[hint], batch_hint=hint)
     models = {name: MedusaModel.from_pretrained(bases[hint], heads=name) for name, hint in zip(args.heads, hints)}
-    generates = {hint: f"generate ({hint}-row packing)" if hint else "generate" for hint in bases}
+    generates = {hint: f"generate ({hint}-row packing)" if hint else "generate" for hint in bases}  # hint -> label
+    targets = {generates[hint]: base for hint, base in bases.items()}  # label -> the target it generates on
     rows = [(Path(f).stem, r) for f in args.prompts for r in read_prompts(f)]
 
     gen = dict(do_sample=True, temperature=0.7, top_p=0.9) if args.sample else dict(do_sample=False)
 
     def run(who: str, ids: torch.Tensor, seed: int = 0):
         torch.manual_seed(seed)
-        if who in generates.values():
-            base = bases[next(h for h, g in generates.items() if g == who)]
-            return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, **gen), None
+        if who in targets:
+            return targets[who].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, **gen), None
         out = models[who].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                                    return_dict_in_generate=True, **gen)
         return out.sequences, out.stats.mean_accepted

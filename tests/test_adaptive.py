@@ -14,7 +14,7 @@ from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, 
 from medusa_heads.tree.buffers import build_buffers, from_parents
 from medusa_heads.tree.spec import TreeSpec
 
-from conftest import randomize_heads, tiny_model
+from conftest import assert_diverges_only_at_a_near_tie, randomize_heads, tiny_model
 from test_sampling import DRAWS, NEW, SETTINGS, TREE, exact_joint, p_value
 
 EDGES = (0.0, 0.1, 0.3, 0.6, 1.0)
@@ -240,9 +240,4 @@ def test_the_shipped_heads_choose_trees_for_a_bf16_target_and_it_drifts_only_at_
     ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
     res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, return_dict_in_generate=True)
     assert res.stats.mean_accepted > 1.5 and max(res.stats.tree_sizes) > 1
-    out = res.sequences
-    if not torch.equal(out, ref):
-        p = int((out[0, : ref.shape[1]] != ref[0, : out.shape[1]]).nonzero()[0])
-        with torch.no_grad():
-            top2 = base(ref[:, :p]).logits[0, -1].float().topk(2).values
-        assert float(top2[0] - top2[1]) <= 0.05 * float(top2[0].abs().clamp_min(1.0)), (p, top2)
+    assert_diverges_only_at_a_near_tie(base, res.sequences, ref)

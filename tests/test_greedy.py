@@ -10,7 +10,7 @@ from medusa_heads import MedusaModel
 from medusa_heads.inference.propose import RowDrafter
 from medusa_heads.inference.verify import Target
 
-from conftest import ARCHS, chat_ids, randomize_heads, tiny_model
+from conftest import ARCHS, assert_diverges_only_at_a_near_tie, chat_ids, randomize_heads, tiny_model
 
 
 class OracleDrafter(RowDrafter):
@@ -180,15 +180,7 @@ def test_half_precision_matches_greedy(arch, dtype):
         ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(seed))
         ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
         out = model.generate(ids, max_new_tokens=30)
-        if torch.equal(out, ref):
-            exact += 1
-            continue
-        # half precision rounds differently for a 9-token tree than for one token: a divergence is only allowed
-        # where the target's own top two logits are within rounding noise of each other.
-        p = int((out[0] != ref[0]).nonzero()[0])
-        with torch.no_grad():
-            top2 = base(ref[:, :p]).logits[0, -1].float().topk(2).values
-        assert float(top2[0] - top2[1]) <= 0.05 * float(top2[0].abs().clamp_min(1.0)), (arch, seed, p, top2)
+        exact += assert_diverges_only_at_a_near_tie(base, out, ref, arch, seed)  # a 9-token tree rounds otherwise
     assert exact >= 2
 
 
