@@ -74,6 +74,22 @@ def test_the_steps_fit_keeps_the_kernels_row_blocks_and_smooths_noise_into_no_fr
     assert line[5] - line[0] > 2.0  # the line charges 6 tokens more than a plain step
 
 
+def test_a_plain_step_dearer_than_a_small_tree_is_charged_its_own_time_and_never_chosen():
+    # bf16 on this CPU at 4K cached tokens (results/bf16/one_token.md): one token costs more than two
+    ms = (122.4, 73.6, 83.5, 77.6, 71.6, 74.4, 97.9)
+    fit = CostModel(contexts=(4096,), sizes=tuple(range(1, 8)), ms=(ms,)).verify_ms(4096)
+    assert fit[0] == pytest.approx(122.4)  # not pooled with the trees, which would charge it ~86 and them too
+    assert (fit[1:].diff() >= 0).all() and fit[1:6].tolist() == pytest.approx([73.6, *[(83.5 + 77.6 + 71.6 + 74.4) / 4] * 4])
+    base = tiny_model("llama", seed=2)
+    dear_one = CostModel(contexts=(0,), sizes=(1, 2, 3, 32), ms=((20.0, 10.0, 30.0, 500.0),), draft_ms=0.1)
+    model = calibrated(base, dear_one, rates=(0.01, 0.02, 0.03, 0.05))  # heads that are rarely right
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+    res = model.generate(ids, max_new_tokens=30, return_dict_in_generate=True)
+    assert torch.equal(res.sequences, ref)
+    assert set(res.stats.tree_sizes) == {1}, "one drafted node is cheaper than none, and a second costs 3x"
+
+
 def test_acceptance_reads_its_bin_and_depth():
     acc = Acceptance(EDGES, ((0.1, 0.2, 0.3, 0.4), (0.5, 0.6, 0.7, 0.8)))
     assert acc(1, torch.tensor([0.0, 0.1, 0.35, 0.99])).tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])

@@ -96,9 +96,11 @@ class CostModel:
 
     `fit` smooths each context's timings over the sizes, since single timings are noisy (+-10%) and noise that makes
     some large trees look free biases the choice towards them:
-    - "steps": the closest non-decreasing function (isotonic). CPU GEMM kernels work on blocks of rows (about 6 in fp32),
-      so a verify costs about the same from 1 to 6 tokens and jumps at 7; a line hides those steps and charges
-      6 tokens like 7.
+    - "steps": over trees of 2 tokens and more, the closest non-decreasing function (isotonic). CPU GEMM kernels
+      work on blocks of rows (about 6 in fp32), so a verify costs about the same from 2 to 6 tokens and jumps at 7;
+      a line hides those steps and charges 6 tokens like 7. The plain step (1 token) keeps its own timing: it runs
+      other kernels (one row), and in bf16 on a CPU another attention path, which at long contexts costs more than
+      a 2-token tree (results/bf16/one_token.md); pooled with the trees, it would be charged what they cost.
     - "line": a least-squares line through the tree sizes (>= 2), never below a plain step (heads calibrated
       before "steps" existed)."""
 
@@ -142,8 +144,8 @@ class CostModel:
         rows = []
         for row in torch.tensor(self.ms, dtype=torch.float64):
             if self.fit == "steps":
-                steps = torch.tensor(isotonic(row.tolist(), [1.0] * len(self.sizes)), dtype=torch.float64)
-                rows.append(_interp(n, sizes, steps))
+                trees = isotonic(row[1:].tolist(), [1.0] * (len(self.sizes) - 1))  # the plain step stays apart
+                rows.append(_interp(n, sizes, torch.tensor([float(row[0]), *trees], dtype=torch.float64)))
                 continue
             if len(self.sizes) < 3:
                 rows.append(_interp(n, sizes, row).cummax(0).values)
