@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from medusa_heads.heads import MedusaHeads
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size, tokens_per_ms
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
 from medusa_heads.inference.propose import MAX_NGRAM, Draft, lookup_match
 
@@ -68,10 +68,10 @@ class AdaptiveDrafter:
         device = h.device
         tok, par, val, slot = [int(sequence[-1])], [-1], [1.0], [0]  # candidates; node 0 is the root
         paths = [[tok[0]]]  # each candidate's tokens from the root (drafted ones: lookup's come after)
-        verify_ms = self.cost.verify_ms(sequence.shape[0] - 1)  # (max_size,)
+        verify_ms = self.cost.verify_ms(sequence.shape[0] - 1).tolist()  # 1..max_size tree tokens
         frontier, levels = [0], 0
         for d in range(1, self.depth + 1):
-            if not frontier or not self._worth_drafting(d, val, frontier, verify_ms, levels):
+            if not frontier or not self._worth_drafting(d, val, frontier, self._step_ms(verify_ms, levels)):
                 break
             context = torch.tensor([paths[i] for i in frontier], device=device)  # (F, d): root .. parent
             logits = self.heads.head_logits(d - 1, h.expand(len(frontier), -1), context)  # (F, V')
@@ -92,7 +92,7 @@ class AdaptiveDrafter:
 
         order = sorted(range(1, len(tok)), key=lambda i: (-val[i], len(paths[i])))[: self.cost.max_size - 1]
         step_ms = self._step_ms(verify_ms, levels)
-        n = best_size(torch.tensor([val[i] for i in order]), step_ms)
+        n = best_size(torch.tensor([val[i] for i in order]), torch.tensor(step_ms))
         keep = order[:n]  # parents before children: worth never grows down a path, ties go to the shallower
         index = {c: i + 1 for i, c in enumerate(keep)}
         parents = (-1, *(index[par[c]] if par[c] else 0 for c in keep))
@@ -100,23 +100,29 @@ class AdaptiveDrafter:
         tokens = torch.tensor([tok[c] for c in keep], dtype=torch.long, device=device)
         return Draft(tokens, from_parents(parents, device))
 
-    def _step_ms(self, verify_ms: torch.Tensor, levels: int) -> torch.Tensor:
-        """(max_size,) the step's milliseconds with 1..max_size tree tokens after `levels` drafting levels."""
-        return verify_ms + levels * self.cost.draft_ms + self.cost.overhead_ms
+    def _step_ms(self, verify_ms: list[float], levels: int) -> list[float]:
+        """The step's milliseconds with 1..max_size tree tokens after `levels` drafting levels."""
+        extra = levels * self.cost.draft_ms + self.cost.overhead_ms
+        return [ms + extra for ms in verify_ms]
 
-    def _worth_drafting(self, d: int, val: list[float], frontier: list[int], verify_ms: torch.Tensor, levels: int) -> bool:
+    def _worth_drafting(self, d: int, val: list[float], frontier: list[int], step_ms: list[float]) -> bool:
         """Whether drafting level d (and below) could change this step's tree: its nodes are worth at most
         w = (best frontier worth) x (the largest acceptance at depth d), so a tree that uses them yields at most
         1 + (the c candidates worth more than w) + w per further node, and costs at least one more level. If that
-        bound per millisecond is no better than the best tree of the candidates at hand, stop here."""
+        bound per millisecond is no better than the best tree of the candidates at hand, stop here. Plain floats:
+        it runs before every level, and a few dozen numbers cost less in Python than in tensor calls."""
         w = val[frontier[0]] * min(self._top_rate[min(d, len(self._top_rate)) - 1] * self.correction.factor(d), 1.0)
-        step_ms = self._step_ms(verify_ms, levels)
-        have = torch.tensor(sorted(val[1:], reverse=True)[: step_ms.shape[0] - 1], dtype=torch.float32)
-        best = float(tokens_per_ms(have, step_ms).max())  # the best tree of the candidates at hand
-        c = int((have > w).sum())
-        m = torch.arange(c + 1, step_ms.shape[0], dtype=torch.float32)  # tree sizes that could take a new node
-        bound = (1.0 + float(have[:c].sum()) + (m - c) * w) / (step_ms[c + 1 :] + self.cost.draft_ms)
-        return bool(bound.numel()) and float(bound.max()) > best
+        have = sorted(val[1:], reverse=True)[: len(step_ms) - 1]
+        best, tau = 1.0 / step_ms[0], 1.0  # the best tree of the candidates at hand (tokens per ms), and its tau
+        c, above = 0, 1.0  # the c candidates worth more than w (a prefix: have is sorted), 1 + their worth
+        for n, v in enumerate(have, 1):
+            tau += v
+            best = max(best, tau / step_ms[n])
+            if v > w:
+                c, above = n, tau
+        bound = max(((above + (m - c) * w) / (step_ms[m] + self.cost.draft_ms) for m in range(c + 1, len(step_ms))),
+                    default=0.0)  # a tree of m nodes: the c, then m - c new ones worth at most w each
+        return bound > best
 
     def _merge_lookup(self, sequence: torch.Tensor, tok: list[int], par: list[int], val: list[float],
                       slot: list[int], paths: list[list[int]]) -> None:
