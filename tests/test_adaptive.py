@@ -78,7 +78,7 @@ def test_a_plain_step_dearer_than_a_small_tree_is_charged_its_own_time_and_never
     # bf16 on this CPU at 4K cached tokens (results/bf16/one_token.md): one token costs more than two
     ms = (122.4, 73.6, 83.5, 77.6, 71.6, 74.4, 97.9)
     fit = CostModel(contexts=(4096,), sizes=tuple(range(1, 8)), ms=(ms,)).verify_ms(4096)
-    assert fit[0] == pytest.approx(122.4)  # not pooled with the trees, which would charge it ~86 and them too
+    assert fit[0] == pytest.approx(122.4)  # pooled with the trees, 1 to 6 tokens would all be charged 83.85
     assert (fit[1:].diff() >= 0).all() and fit[1:6].tolist() == pytest.approx([73.6, *[(83.5 + 77.6 + 71.6 + 74.4) / 4] * 4])
     base = tiny_model("llama", seed=2)
     dear_one = CostModel(contexts=(0,), sizes=(1, 2, 3, 32), ms=((20.0, 10.0, 30.0, 500.0),), draft_ms=0.1)
