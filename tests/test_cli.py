@@ -160,6 +160,26 @@ def test_a_model_without_heads_or_chat_template_is_announced_once(files, capsys,
     assert code == 0 and err.count("no chat template") == 1 and len((tmp_path / "d.jsonl").read_text().splitlines()) == 2
 
 
+def test_a_greedy_variant_answers_follow_up_turns_after_the_targets_own_first_answer(files, capsys, tmp_path):
+    model = str(files["model"])
+    prompts = ["w1 w2 w3", "w4 w5"]
+    single, multi = tmp_path / "single.jsonl", tmp_path / "multi.jsonl"
+    single.write_text("".join(json.dumps({"id": f"p{i}", "prompt": q}) + "\n" for i, q in enumerate(prompts)))
+    multi.write_text("".join(json.dumps({"id": f"p{i}", "turns": [q, "w9 w8"]}) + "\n" for i, q in enumerate(prompts)))
+    common = ["--model", model, "--max-new-tokens", "4", "--no-prepack"]
+    code, err = run(["distill", "--prompts", str(single), "--out", str(tmp_path / "fu.jsonl"), "--variant", "fu", *common], capsys)
+    assert code == 1 and "2 of the 2 rows have a single turn" in err and not (tmp_path / "fu.jsonl").exists()
+    assert run(["distill", "--prompts", str(single), "--out", str(tmp_path / "d.jsonl"), *common], capsys)[0] == 0
+    assert run(["distill", "--prompts", str(multi), "--out", str(tmp_path / "fu.jsonl"), "--variant", "fu", *common], capsys)[0] == 0
+    first = {r["id"]: r["messages"] for r in map(json.loads, (tmp_path / "d.jsonl").read_text().splitlines())}
+    follow = {r["id"]: r["messages"] for r in map(json.loads, (tmp_path / "fu.jsonl").read_text().splitlines())}
+    assert sorted(follow) == ["p0~fu", "p1~fu"]
+    for pid, messages in first.items():
+        roles = [m["role"] for m in follow[f"{pid}~fu"]]
+        assert roles == ["user", "assistant", "user", "assistant"]
+        assert follow[f"{pid}~fu"][:2] == messages  # the target's own greedy answer first, then the follow-up's
+
+
 def test_bench_writes_to_a_fresh_run_folder_by_default(files, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, err = run(["bench", "--prompts", str(files["prompts.jsonl"]), "--model", str(files["model"]), "--limit", "1",

@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=_float(0.0, 1.0, low_open=True), default=1.0,
                    help="nucleus of the sampled answers (1.0: the model's own distribution, which distillation wants)")
     s.add_argument("--variant", default=None, metavar="NAME",
-                   help="a further answer per prompt, under ids <id>~NAME (with --temperature > 0); the held-out "
-                        "split follows the prompt")
+                   help="a further answer per prompt, under ids <id>~NAME (with --temperature > 0, or greedy for "
+                        "rows with follow-up turns); the held-out split follows the prompt")
     _heads_args(s, "draft with these heads (MedusaModel, one prompt at a time)")
     _threads_arg(s, None)
     s.add_argument("--seed", type=int, default=0, help="seed of the --cap choice, the shuffle and the sampling")

@@ -218,9 +218,6 @@ def cmd_distill(args: argparse.Namespace) -> None:
     from medusa_heads.training.data import as_variant, subsample
     from medusa_heads.training.distill import distill
 
-    if args.variant and args.temperature <= 0:
-        raise SystemExit("--variant asks for a further answer to each prompt: give it a --temperature > 0, "
-                         "or it would repeat the greedy answers")
     caps = {}
     for c in args.cap:
         source, _, n = c.partition("=")
@@ -233,6 +230,12 @@ def cmd_distill(args: argparse.Namespace) -> None:
     if not rows:
         raise SystemExit(f"--cap {' --cap '.join(args.cap)} leaves none of the prompts in {args.prompts}")
     if args.variant:
+        single = sum(len(r.turns) == 1 for r in rows)
+        if args.temperature <= 0 and single:
+            # a greedy variant is new only where a row asks more than its prompt: follow-up turns
+            raise SystemExit(f"--variant asks for a further answer to each prompt, but {single} of the {len(rows)} rows "
+                             "have a single turn, whose greedy answer would repeat the first: give it a "
+                             "--temperature > 0, or rows with follow-up turns")
         rows = as_variant(rows, args.variant)
     _check_heads(args.heads)
     if args.threads:
