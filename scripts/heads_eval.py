@@ -28,6 +28,8 @@ def main() -> None:
     p.add_argument("--features", default="data/features")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.add_argument("--by-turn", action="store_true",
+                   help="also report each file's answers by turn (multi-turn conversations: turn 1, turn 2, ...)")
     args = p.parse_args()
     torch.set_num_threads(2)
     base = load_base(args.model, prepack=False)
@@ -42,6 +44,10 @@ def main() -> None:
         sets[path] = [s for s in segments if s.conv_id in ids]
         print(f"{path}: {len({s.conv_id for s in sets[path]})} of {len(ids)} held-out conversations have features")
     sets["all"] = [s for path in args.data for s in sets[path]]
+    if args.by_turn:
+        for path in args.data:
+            for s in sets[path]:
+                sets.setdefault(f"{path} turn {int(s.id.rsplit('#', 1)[1]) + 1}", []).append(s)
     heads = {h: load_heads(h, base.get_output_embeddings().weight.detach(), c, base.get_input_embeddings().weight.detach())
              for h, c in zip(args.heads, configs)}
     index = draft_index(configs[0].draft_vocab, configs[0].vocab_size)
