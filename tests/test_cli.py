@@ -180,6 +180,34 @@ def test_a_greedy_variant_answers_follow_up_turns_after_the_targets_own_first_an
         assert follow[f"{pid}~fu"][:2] == messages  # the target's own greedy answer first, then the follow-up's
 
 
+def test_distill_reuses_answers_given_before_and_generates_only_the_new_turns(files, capsys, tmp_path):
+    from medusa_heads.training.features import load_segments
+
+    model = str(files["model"])
+    common = ["--model", model, "--max-new-tokens", "4", "--no-prepack"]
+    single, multi = tmp_path / "single.jsonl", tmp_path / "multi.jsonl"
+    single.write_text("".join(json.dumps({"id": f"p{i}", "prompt": q}) + "\n" for i, q in enumerate(["w1 w2 w3", "w4 w5"])))
+    multi.write_text("".join(json.dumps({"id": f"p{i}", "turns": [q, "w9 w8"]}) + "\n"
+                             for i, q in enumerate(["w1 w2 w3", "w4 w5", "w6"])))  # p2 was never answered
+    assert run(["distill", "--prompts", str(single), "--out", str(tmp_path / "d.jsonl"), *common], capsys)[0] == 0
+    assert run(["distill", "--prompts", str(multi), "--out", str(tmp_path / "fu.jsonl"), "--variant", "fu", *common], capsys)[0] == 0
+    code, err = run(["distill", "--prompts", str(multi), "--out", str(tmp_path / "re.jsonl"), "--variant", "fu",
+                     "--reuse", str(tmp_path / "d.jsonl"), "--features", str(tmp_path / "feat"), *common], capsys)
+    assert code == 0 and "'reused': 2" in err
+    fresh = {r["id"]: r["messages"] for r in map(json.loads, (tmp_path / "fu.jsonl").read_text().splitlines())}
+    reused = {r["id"]: r["messages"] for r in map(json.loads, (tmp_path / "re.jsonl").read_text().splitlines())}
+    assert sorted(reused) == ["p0~fu", "p1~fu", "p2~fu"]
+    for cid, messages in reused.items():
+        flags = [m.get("reused", False) for m in messages if m["role"] == "assistant"]
+        assert flags == ([False, False] if cid == "p2~fu" else [True, False])
+        # the same conversation as generating every turn: the greedy answer to the prompt, then to the follow-up
+        assert [{k: v for k, v in m.items() if k != "reused"} for m in messages] == fresh[cid]
+    # features only for what was generated now: training counts the reused answers once, from d.jsonl
+    assert sorted(s.id for s in load_segments(tmp_path / "feat")) == ["p0~fu#1", "p1~fu#1", "p2~fu#0", "p2~fu#1"]
+    code, err = run(["distill", "--prompts", str(multi), "--out", str(tmp_path / "x.jsonl"), "--reuse", str(tmp_path / "no.jsonl"), *common], capsys)
+    assert code == 1 and "--reuse" in err and "no such file" in err
+
+
 def test_bench_writes_to_a_fresh_run_folder_by_default(files, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, err = run(["bench", "--prompts", str(files["prompts.jsonl"]), "--model", str(files["model"]), "--limit", "1",

@@ -71,6 +71,22 @@ def test_training_lowers_the_loss_and_writes_loadable_heads(tiny_data, tmp_path,
     assert torch.equal(model.generate(ids, max_new_tokens=30), ref)
 
 
+def test_answers_distill_reused_from_earlier_data_are_not_trained_on_twice(tiny_data, tmp_path):
+    """A conversation's answer marked reused (distill --reuse: the same answer is in the earlier data) is left out of
+    training, features or not."""
+    convs = read_conversations(tiny_data / "data.jsonl")
+    for c in convs[:6]:
+        c["messages"][1]["reused"] = True
+    append_conversations(tmp_path / "data.jsonl", convs)
+    info = []
+    for data in (tiny_data / "data.jsonl", tmp_path / "data.jsonl"):
+        out = train(recipe(tiny_data, tmp_path / f"heads-{len(info)}", data=str(data), max_steps=1, eval_every=1))
+        info.append(json.loads((out / "train_log.jsonl").read_text().splitlines()[0]))
+    segments = {s.id: s for s in trainer_mod.load_segments(tiny_data / "features")}
+    dropped = sum(segments[f"{c['id']}#0"].tokens.shape[0] for c in convs[:6])
+    assert info[1]["train_tokens"] + info[1]["eval_tokens"] == info[0]["train_tokens"] + info[0]["eval_tokens"] - dropped
+
+
 @pytest.mark.parametrize("accum,soft", [(1, 0.0), (2, 0.0), (1, 0.5)])
 def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path, monkeypatch, accum, soft):
     full = train(recipe(tiny_data, tmp_path / "full", grad_accum=accum, soft_weight=soft))

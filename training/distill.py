@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_heads.prompting import eos_ids, has_chat_template, prompt_text
-from medusa_heads.training.data import PromptRow, append_conversations, batches, read_conversations
+from medusa_heads.training.data import PromptRow, append_conversations, batches, prompt_id, read_conversations
 from medusa_heads.inference.cache import new_cache
 from medusa_heads.inference.tap import LMHeadTap
 from medusa_heads.inference.verify import target_cache_kw
@@ -31,12 +31,16 @@ def distill(
     medusa=None,
     seed: int = 0,
     features: str | os.PathLike | None = None,
+    reuse: dict[str, list[dict]] | None = None,
 ) -> dict:
     """Answer every row not yet in `out` and append one conversation per row. Rows are batched with left padding
     (by length, to waste little); with `medusa` (a MedusaModel) rows are drafted one by one with its heads.
     With `features` (a folder), the LM head's inputs at every answer token are kept as training features, taken
-    from the generation itself (no second pass over the data). Returns counts: done before, written now,
-    skipped (prompt too long)."""
+    from the generation itself (no second pass over the data). With `reuse` (prompt id -> the messages of an earlier
+    distillation of that prompt, see reusable_answers), a turn whose user turns so far are the earlier
+    conversation's takes its answer from there instead of generating it again, marked "reused" (training counts
+    it once, from the earlier data; no features are written for it). Returns counts: done before, written now,
+    answers reused, skipped (prompt too long)."""
     vocab = model.get_output_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}: they do not belong together")
@@ -48,7 +52,7 @@ def distill(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
-    counts = {"done_before": len(done), "written": 0, "skipped_too_long": 0}
+    counts = {"done_before": len(done), "written": 0, "reused": 0, "skipped_too_long": 0}
     # Sort by prompt length within windows of 16 batches, so that a batch pads little while a partial run
     # still covers the (shuffled) input evenly.
     window = 16 * batch_size
@@ -64,19 +68,31 @@ def distill(
             alive = [i for i in alive if turn < len(group[i].turns)]
             for i in alive:
                 convs[i].append({"role": "user", "content": group[i].turns[turn]})
-            texts = [prompt_text(tokenizer, convs[i]) for i in alive]
+            asking = alive  # the rows whose answer to this turn is generated now
+            if reuse:  # answered before, in the same conversation so far: taken from there
+                earlier = {i: _earlier_answer(reuse.get(prompt_id(group[i].id)), convs[i]) for i in alive}
+                for i, m in earlier.items():
+                    if m is not None:
+                        convs[i].append({"role": "assistant", "content": m["content"],
+                                         "finished": m.get("finished", True), "reused": True})
+                        counts["reused"] += 1
+                asking = [i for i in alive if earlier[i] is None]
+                if not asking:
+                    continue
+            texts = [prompt_text(tokenizer, convs[i]) for i in asking]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=special)
-            too_long = [i for i, n in zip(alive, enc["attention_mask"].sum(1).tolist()) if n > max_prompt_tokens]
+            too_long = [i for i, n in zip(asking, enc["attention_mask"].sum(1).tolist()) if n > max_prompt_tokens]
             if too_long:
                 counts["skipped_too_long"] += len(too_long)
                 alive = [i for i in alive if i not in too_long]
+                asking = [i for i in asking if i not in too_long]
                 for i in too_long:
                     convs[i] = []
-                if not alive:
-                    break
-                texts = [prompt_text(tokenizer, convs[i]) for i in alive]
+                if not asking:
+                    continue
+                texts = [prompt_text(tokenizer, convs[i]) for i in asking]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=special)
-            torch.manual_seed(seed + zlib.crc32(group[alive[0]].id.encode()))  # same draws on a rerun
+            torch.manual_seed(seed + zlib.crc32(group[asking[0]].id.encode()))  # same draws on a rerun
             with LMHeadTap(model, last_only=True) as tap:
                 if medusa is not None:
                     gen = medusa.generate(enc["input_ids"], max_new_tokens=max_new_tokens, **sample)
@@ -85,7 +101,7 @@ def distill(
                     gen = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                          **{target_cache_kw(model): cache}, **sample)
             new = gen[:, enc["input_ids"].shape[1] :]
-            for j, i in enumerate(alive):
+            for j, i in enumerate(asking):
                 row = new[j].tolist()
                 n = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))  # through the first EOS
                 answer = tokenizer.decode(row[:n], skip_special_tokens=True)
@@ -95,7 +111,7 @@ def distill(
         written = [
             {"id": r.id, "source": r.source, "messages": c}
             for r, c in zip(group, convs)
-            if c and c[-1]["role"] == "assistant"
+            if c and c[-1]["role"] == "assistant" and not all(m.get("reused") for m in c if m["role"] == "assistant")
         ]
         if features is not None:
             write_shard(next_shard_path(features), segments)  # before the rows: a crash in between only repeats
@@ -105,3 +121,17 @@ def distill(
     bar.close()
     return counts
 
+
+
+def reusable_answers(path: str | os.PathLike) -> dict[str, list[dict]]:
+    """Prompt id -> messages of each conversation in a distilled file (its variants left out: a variant is another
+    answer to the same prompt), for distill's `reuse`."""
+    return {c["id"]: c["messages"] for c in read_conversations(path) if prompt_id(c["id"]) == c["id"]}
+
+
+def _earlier_answer(messages: list[dict] | None, conv: list[dict]) -> dict | None:
+    """The earlier conversation's answer to the last user turn of `conv`, if it asked the same so far."""
+    if not messages or len(messages) <= len(conv) or messages[len(conv)]["role"] != "assistant":
+        return None
+    same = all(m["role"] == c["role"] and m["content"] == c["content"] for m, c in zip(messages, conv))
+    return messages[len(conv)] if same else None

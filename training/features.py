@@ -106,6 +106,13 @@ def answer_segments(conv_id: str, ids: torch.Tensor, mask: torch.Tensor, hidden:
     return out
 
 
+def reused_segments(conversations: list[dict]) -> set[str]:
+    """Segment ids of answers that distill took from earlier data ("reused": true): the earlier data trains on
+    them, so they are counted once."""
+    return {f"{c['id']}#{t}" for c in conversations
+            for t, m in enumerate(m for m in c["messages"] if m["role"] == "assistant") if m.get("reused")}
+
+
 @torch.no_grad()
 def features_from_conversations(model, tokenizer, conversations: list[dict], folder: str | os.PathLike,
                                 max_length: int = 2048, per_shard: int = 64) -> int:
@@ -118,6 +125,7 @@ def features_from_conversations(model, tokenizer, conversations: list[dict], fol
 
     have = feature_ids(folder)
     todo = [c for c in conversations if c["id"] not in have]
+    reused = reused_segments(todo)
     segments: list[Segment] = []
     for conv in tqdm(todo, desc="features", unit="conv"):
         ids, mask = conversation_ids(tokenizer, conv["messages"], max_length)
@@ -125,6 +133,8 @@ def features_from_conversations(model, tokenizer, conversations: list[dict], fol
         hidden = model.base_model(ids[None].to(model.device)).last_hidden_state[0]  # (L, H): hidden[p] -> token p + 1
         finished = [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]
         for s in answer_segments(conv["id"], ids, mask, hidden, tokenizer.eos_token_id, finished):
+            if s.id in reused:
+                continue
             segments.append(Segment(s.id, s.hidden.to(torch.bfloat16), s.tokens))
         if len(segments) >= per_shard:
             write_shard(next_shard_path(folder), segments)

@@ -10,7 +10,7 @@ import torch
 from medusa_heads.checkpoint import save_heads
 from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.training.data import is_eval
-from medusa_heads.training.features import Segment, feature_ids, features_from_conversations, load_segments
+from medusa_heads.training.features import Segment, feature_ids, features_from_conversations, load_segments, reused_segments
 from medusa_heads.training.joint import train_joint
 from medusa_heads.training.loop import (OOV, Job, Split, build_split, draft_index, evaluate, load_checkpoint, run,
                                         save_checkpoint, start_heads)
@@ -47,7 +47,8 @@ def _segments(recipe: TrainRecipe, convs: list[dict], base, accelerator) -> list
         features_from_conversations(base.to(accelerator.device), load_tokenizer(recipe.model), convs, recipe.features)
         base.cpu()
     accelerator.wait_for_everyone()
-    segments = load_segments(recipe.features, keep_ids=known)
+    reused = reused_segments(convs)  # answers taken from data that trains on them already
+    segments = [s for s in load_segments(recipe.features, keep_ids=known) if s.id not in reused]
     if not segments:
         raise ValueError(f"no answer in {recipe.data} has a token to train on")
     return segments

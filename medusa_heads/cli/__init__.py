@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed of the --cap choice, the shuffle and the sampling")
     _prepack_arg(s)
     s.add_argument("--features", default=None, help="also keep the target's hidden states here (safetensors shards)")
+    s.add_argument("--reuse", default=None, metavar="JSONL",
+                   help="conversations distilled before (e.g. the greedy answers to the same prompts): a turn they "
+                        "already answered, after the same user turns, is taken from there instead of generated "
+                        "again (marked reused: training counts it once)")
 
     f = command("features", "hidden-state features for distilled conversations that have none", cmd_features)
     f.add_argument("--model", default=DEFAULT_MODEL, help="the target the conversations were distilled from")

@@ -216,7 +216,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
     from medusa_heads.model import MedusaModel
     from medusa_heads.training.data import as_variant, subsample
-    from medusa_heads.training.distill import distill
+    from medusa_heads.training.distill import distill, reusable_answers
 
     caps = {}
     for c in args.cap:
@@ -226,6 +226,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
         caps[source] = int(n)
     if Path(args.out).is_dir():
         raise SystemExit(f"--out {args.out}: is a directory; give the JSONL file to append conversations to")
+    if args.reuse:
+        _check_file(args.reuse, "--reuse")
     rows = subsample(_read_prompts(args.prompts), caps, seed=args.seed)[: args.limit]
     if not rows:
         raise SystemExit(f"--cap {' --cap '.join(args.cap)} leaves none of the prompts in {args.prompts}")
@@ -244,7 +246,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
     medusa = MedusaModel.from_pretrained(base, heads=args.heads, allow_base_mismatch=args.allow_base_mismatch) if args.heads else None
     counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                      temperature=args.temperature, top_p=args.top_p, medusa=medusa, seed=args.seed,
-                     features=args.features)
+                     features=args.features, reuse=reusable_answers(args.reuse) if args.reuse else None)
     print(f"distill: {counts}", file=sys.stderr)
 
 
