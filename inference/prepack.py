@@ -26,6 +26,12 @@ def bf16_supported() -> bool:
     return prepack_supported() and supported is not None and bool(supported())
 
 
+def packs(dtype: torch.dtype) -> bool:
+    """oneDNN can pack linears of this dtype on this CPU: fp32 wherever it has packed linears at all, bf16 only with
+    bf16 kernels (on an AVX2-only CPU, packing a bf16 weight fails, and stock bf16 products run there instead)."""
+    return prepack_supported() and (dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_supported()))
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b through oneDNN with W packed once; `weight` and `bias` are the original Parameters."""
 
@@ -80,14 +86,18 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
             if child.weight.device.type != "cpu" or child.weight.dtype not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"prepack_linears: {name} is {child.weight.dtype} on {child.weight.device}; "
                                  "only fp32 or bf16 CPU models are packed")
+            if not packs(child.weight.dtype):
+                raise ValueError(f"prepack_linears: {name} is bf16, and this CPU has no oneDNN bf16 kernels (they need "
+                                 "AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT); leave a bf16 model on the stock kernels")
             setattr(parent, name, PackedLinear(child, batch_hint))
             swapped += 1
     return swapped
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = 8) -> PackedWeight | None:
-    """A PackedWeight for a CPU weight in fp32 or bf16; None (the plain product) for any other."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+    """A PackedWeight for a CPU weight oneDNN packs here (fp32, or bf16 with bf16 kernels: `packs`); None (the
+    plain product) for any other."""
+    if weight.device.type != "cpu" or not packs(weight.dtype):
         return None
     return PackedWeight(weight, batch_hint)
 
@@ -95,7 +105,11 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 8) -> PackedWeight | Non
 def prepack_heads(heads: nn.Module, batch_hint: int = 8) -> int:
     """prepack_linears for MedusaHeads, plus the products that belong to no Linear (scoring through the shared
     LM-head rows, the joint context projections): drafting is a few rows per level, where the stock kernels are
-    slowest. Drafts only: exactness never depends on it."""
+    slowest. Heads in a dtype this CPU cannot pack (bf16 without bf16 kernels) keep the stock products. Drafts only:
+    exactness never depends on it."""
+    if not packs(next(heads.parameters()).dtype):
+        heads.use_kernels(None)
+        return 0
     swapped = prepack_linears(heads, batch_hint)
     heads.use_kernels(functools.partial(pack_weight, batch_hint=batch_hint))
     return swapped

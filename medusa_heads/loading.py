@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from medusa_heads.default_model import DEFAULT_MODEL, resolve_model
-from medusa_heads.inference.prepack import prepack_linears, prepack_supported
+from medusa_heads.inference.prepack import packs, prepack_linears
 
 
 def check_model_name(name: str | os.PathLike) -> None:
@@ -38,7 +38,7 @@ def load_base(name: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = t
               prepack: bool | None = None, frozen: bool = True, **kwargs) -> PreTrainedModel:
     """A causal LM by name (the embedded default's, a local directory or a hub id), in eval mode, frozen unless
     `frozen=False` (joint training adapts it). prepack: run its linears through oneDNN (inference/prepack.py);
-    None = on when it lands on a CPU that supports it. kwargs go to AutoModelForCausalLM.from_pretrained."""
+    None = on when it lands on a CPU that packs its dtype (`packs`). kwargs go to AutoModelForCausalLM.from_pretrained."""
     try:
         model = AutoModelForCausalLM.from_pretrained(_source(name), dtype=dtype, **kwargs).eval()
     except OSError as e:  # transformers' "is not a local folder and is not a valid model identifier ..."
@@ -48,7 +48,7 @@ def load_base(name: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = t
     if frozen:
         model.requires_grad_(False)
     if prepack is None:
-        prepack = model.device.type == "cpu" and prepack_supported()
+        prepack = model.device.type == "cpu" and packs(model.dtype)
     if prepack:
         prepack_linears(model)
     return model

@@ -22,14 +22,14 @@ from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
 from medusa_heads.inference.propose import MAX_NGRAM, MIN_NGRAM, Drafter, HeadsDrafter, LookupDrafter
 from medusa_heads.inference.sampling import build_processors, build_warpers
-from medusa_heads.inference.prepack import bf16_supported, is_prepacked, prepack_heads, prepack_linears, prepack_supported
+from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
 from medusa_heads.inference.support import check_tree_attention
 from medusa_heads.inference.verify import Target
 from medusa_heads.default_model import DEFAULT_MODEL, default_heads_path
 from medusa_heads import prompting
 from medusa_heads.loading import load_base
 from medusa_heads.tree import TreeSpec, build_buffers, load_tree
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, kernels_key
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, cost_key, find_cost, kernels_key
 
 ADAPTIVE = "adaptive"  # tree= for a tree chosen at every step
 
@@ -70,23 +70,30 @@ class MedusaModel(nn.Module):
         return TreeSpec.from_paths([p for p in spec.paths if len(p) <= self.config.num_heads])
 
     def _adaptive_config(self) -> tuple | None:
-        """(acceptance, lookup table, cost model) stored for the kernels this model's verify runs on now, parsed
-        again only when the kernels (stock_kernels()) or config.adaptive change; None if not calibrated for them."""
-        key = kernels_key(self.base_model, is_prepacked(self.base_model))
+        """(acceptance, lookup table, cost model) stored for the kernels this model's verify runs on now (on this
+        hardware where measured there: tree.adaptive.find_cost), parsed again only when the kernels
+        (stock_kernels()) or config.adaptive change; None if not calibrated for them."""
+        key = cost_key(self.base_model, is_prepacked(self.base_model))
         stored = self.config.adaptive or {}
         if self._adaptive_parts is None or self._adaptive_parts[:2] != (key, stored):
-            entry = stored.get("cost", {}).get(key)
+            found = find_cost(stored.get("cost", {}), self.base_model, is_prepacked(self.base_model))
             parts = None
-            if entry and "acceptance" in stored:
+            if found and "acceptance" in stored:
                 lookup = LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None
-                parts = (Acceptance.from_dict(stored["acceptance"]), lookup, CostModel.from_dict(entry))
-            self._adaptive_parts = (key, copy.deepcopy(stored), parts)
+                parts = (Acceptance.from_dict(stored["acceptance"]), lookup, CostModel.from_dict(stored["cost"][found]))
+            self._adaptive_parts = (key, copy.deepcopy(stored), parts, found if parts else None)
         return self._adaptive_parts[2]
 
     def cost_model(self) -> CostModel | None:
         """The stored cost model for the kernels this model's verify runs on, if the heads were calibrated for them."""
         parts = self._adaptive_config()
         return parts[2] if parts else None
+
+    def cost_model_key(self) -> str | None:
+        """Which stored cost model that is ("prepacked-float32-cpu-avx512"); where it names other hardware than
+        tree.adaptive.cost_key (this machine's), `medusa-heads calibrate --parts cost` measures this one."""
+        self._adaptive_config()
+        return self._adaptive_parts[3]
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -126,7 +133,7 @@ class MedusaModel(nn.Module):
         if not isinstance(base, PreTrainedModel):
             base = load_base(base, prepack=False, **base_kwargs)  # packed below, after an adapter is merged
             if prepack is None:
-                prepack = base.device.type == "cpu" and prepack_supported()
+                prepack = base.device.type == "cpu" and packs(base.dtype)
         fingerprint = base_fingerprint(base)  # hashes the whole LM head: once per load
         config = None
         if heads == "auto":  # the shipped heads when they were trained for this very base, else new heads

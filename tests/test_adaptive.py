@@ -10,7 +10,9 @@ from medusa_heads import MedusaModel, default_model_path, prompt_ids
 from medusa_heads.inference.adaptive import AdaptiveDrafter
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked
 from medusa_heads.inference.propose import Draft, RowDrafter
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size, isotonic, kernels_key
+from medusa_heads.tree.adaptive import (
+    Acceptance, CostModel, LookupAcceptance, best_size, cost_key, find_cost, hardware, isotonic, kernels_key,
+)
 from medusa_heads.tree.buffers import build_buffers, from_parents
 from medusa_heads.tree.spec import TreeSpec
 
@@ -88,6 +90,34 @@ def test_a_plain_step_dearer_than_a_small_tree_is_charged_its_own_time_and_never
     res = model.generate(ids, max_new_tokens=30, return_dict_in_generate=True)
     assert torch.equal(res.sequences, ref)
     assert set(res.stats.tree_sizes) == {1}, "one drafted node is cheaper than none, and a second costs 3x"
+
+
+def test_the_cost_model_measured_on_this_hardware_is_found_first():
+    """The same kernels cost otherwise on another CPU ISA (an AVX2 fp32 verify grows with the tree where an
+    AVX-512 one is flat to 6 tokens): this machine's entry, else one stored without hardware, else another's."""
+    base = tiny_model("llama", seed=0)
+    here, kernels = cost_key(base, prepacked=False), kernels_key(base, prepacked=False)
+    assert here == f"{kernels}-{hardware(torch.device('cpu'))}" and hardware(torch.device("cpu")) in ("avx2", "avx512", "default")
+    other = {f"{kernels}-zz9": 1, f"{kernels}-aa1": 2, f"prepacked-{kernels.split('-', 1)[1]}-{hardware(torch.device('cpu'))}": 3}
+    assert find_cost({**other, here: 0, kernels: 4}, base, prepacked=False) == here
+    assert find_cost({**other, kernels: 4}, base, prepacked=False) == kernels
+    assert find_cost(other, base, prepacked=False) == f"{kernels}-aa1"  # sorted: the same on every run
+    assert find_cost({f"prepacked-{kernels.split('-', 1)[1]}": 0}, base, prepacked=False) is None
+
+
+def test_a_model_sizes_its_trees_by_this_machines_cost_model():
+    """Stored: trees nearly free on other hardware, a node costing two steps here. Here, every step is plain."""
+    base = tiny_model("llama", seed=4)
+    model = calibrated(base, FLAT, rates=(0.95,) * 4)
+    model.config.adaptive["cost"] = {f"{kernels_key(base, False)}-otherisa": FLAT.to_dict(), cost_key(base, False): STEEP.to_dict()}
+    assert model.cost_model() == STEEP and model.cost_model_key() == cost_key(base, False)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    res = model.generate(ids, max_new_tokens=12, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
+    assert set(res.stats.tree_sizes) == {0}
+    del model.config.adaptive["cost"][cost_key(base, False)]
+    assert model.cost_model() == FLAT and model.cost_model_key() == f"{kernels_key(base, False)}-otherisa"
+    res = model.generate(ids, max_new_tokens=12, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
+    assert max(res.stats.tree_sizes) > 4
 
 
 def test_acceptance_reads_its_bin_and_depth():

@@ -10,7 +10,7 @@ from medusa_heads import MedusaModel
 from medusa_heads.config import MedusaConfig
 from medusa_heads.inference.propose import lookup_match
 from medusa_heads.training.features import Segment
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, isotonic
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, hardware, isotonic
 from medusa_heads.calibration.measure import (
     ACCEPT_EDGES, TEMPERATURES, CandidateSamples, answer_spans, calibrate_acceptance, candidate_samples, correct_ranks,
     fit_isotonic, fit_temperature, lookup_acceptance, measure_cost, merge_adaptive,
@@ -213,16 +213,17 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
               "--accept-topk", str(len(vocab))]  # every candidate: each depth has positions whose parent is in the tree
     main(common + ["--parts", "acceptance,lookup,cost", "--no-prepack"])
     out = capsys.readouterr().out
-    assert "acceptance given the parent accepted" in out and "prompt lookup" in out and "verify ms (stock-float32-cpu)" in out
+    assert "acceptance given the parent accepted" in out and "prompt lookup" in out and "verify ms (stock-float32-cpu-" in out
     main(common + ["--parts", "cost", "--prepack"])
     saved = MedusaConfig.load(tmp_path / "heads" / "config.json")
     assert saved.tree == config["tree"]  # the fixed tree is left alone without the "tree" part
-    kernels = {"stock-float32-cpu", "prepacked-float32-cpu" if prepack_supported() else "stock-float32-cpu"}
+    isa = hardware(torch.device("cpu"))  # stored by the hardware the costs were measured on
+    kernels = {f"stock-float32-cpu-{isa}", f"prepacked-float32-cpu-{isa}" if prepack_supported() else f"stock-float32-cpu-{isa}"}
     assert set(saved.adaptive["cost"]) == kernels
     acceptance = Acceptance.from_dict(saved.adaptive["acceptance"])
     assert acceptance.depth == 4 and acceptance.edges == ACCEPT_EDGES
     assert LookupAcceptance.from_dict(saved.adaptive["lookup"]).ngrams == (1, 2, 3)
-    cost = CostModel.from_dict(saved.adaptive["cost"]["stock-float32-cpu"])
+    cost = CostModel.from_dict(saved.adaptive["cost"][f"stock-float32-cpu-{isa}"])
     assert cost.contexts == (8, 16) and cost.sizes[-1] == 32 and cost.overhead_ms == 3.0
     assert saved.extra["adaptive_calibration"]["acceptance"]["method"] in ("isotonic", "temperature")
     report = (tmp_path / "report" / "report.md").read_text()

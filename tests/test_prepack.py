@@ -6,9 +6,11 @@ import torch
 from torch import nn
 
 from medusa_heads import MedusaModel
-from medusa_heads.inference.prepack import PackedLinear, bf16_supported, is_prepacked, prepack_linears, prepack_supported, stock_kernels
+from medusa_heads.inference.prepack import (
+    PackedLinear, bf16_supported, is_prepacked, packs, prepack_linears, prepack_supported, stock_kernels,
+)
 
-from conftest import chat_ids, randomize_heads, tiny_model
+from conftest import assert_diverges_only_at_a_near_tie, chat_ids, randomize_heads, tiny_model
 
 pytestmark = pytest.mark.skipif(not prepack_supported(), reason="this PyTorch build has no oneDNN packed linear")
 
@@ -21,6 +23,11 @@ def test_prepack_keeps_weights_keys_and_ties(dtype):
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = base(ids).logits
+        if not packs(dtype):  # bf16 on a CPU without oneDNN bf16 kernels (AVX2 only): said, and nothing swapped
+            with pytest.raises(ValueError, match="no oneDNN bf16 kernels"):
+                prepack_linears(base)
+            assert not is_prepacked(base) and torch.equal(base(ids).logits, ref)
+            return
         assert prepack_linears(base) == n_linear and is_prepacked(base)
         assert not any(type(m) is nn.Linear for m in base.modules())
         assert isinstance(base.get_output_embeddings(), PackedLinear)
@@ -41,6 +48,19 @@ def test_prepacked_model_cast_later_falls_back_to_stock_kernels():
     ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(base(ids).logits, ref(ids).logits)
+
+
+def test_a_bf16_model_loaded_by_name_is_packed_where_the_cpu_can_and_generates_its_own_greedy_output(tmp_path):
+    """from_pretrained prepacks a base it loads itself by default: fp32 always, bf16 only with bf16 kernels (on an
+    AVX2-only CPU packing a bf16 weight fails, so the base and the bf16 heads keep the stock products)."""
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    model = MedusaModel.from_pretrained(str(tmp_path / "base"), heads=None, num_heads=2, dtype=torch.bfloat16)
+    assert model.base_model.dtype == torch.bfloat16 and is_prepacked(model.base_model) == packs(torch.bfloat16)
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    ref = tiny_model("llama").to(torch.bfloat16).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+    with stock_kernels(model.base_model):  # the unpacked model's very kernels, packed or not
+        out = model.generate(ids, max_new_tokens=10)
+    assert_diverges_only_at_a_near_tie(model.base_model, out, ref)  # bf16 rounds a tree verify otherwise
 
 
 def test_prepack_refuses_other_dtypes():

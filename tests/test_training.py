@@ -510,6 +510,33 @@ def test_joint_lora_training_saves_heads_with_their_adapter_and_generation_is_ex
     assert MedusaModel.from_pretrained(tiny_model("llama", seed=1, vocab_size=49152), heads=stage2).config.draft_vocab == model.config.draft_vocab
 
 
+def test_joint_training_leaves_out_answers_distill_reused(joint_data, real_base):
+    """A reused answer (distill --reuse) trains neither heads nor adapter twice: its mask run is cleared, and the
+    next answer keeps its own tokens and its own finished flag."""
+    from medusa_heads.training.joint import _seqs
+
+    _, tok = real_base
+    conv = {"id": "c", "messages": [{"role": "user", "content": "Name a colour."},
+                                     {"role": "assistant", "content": "Blue.", "reused": True},
+                                     {"role": "user", "content": "And another one?"},
+                                     {"role": "assistant", "content": "Red, and then gre", "finished": False}]}
+    plain = {**conv, "messages": [{k: v for k, v in m.items() if k != "reused"} for m in conv["messages"]]}
+    rec = joint_recipe(joint_data, "unused")
+    (full,), _ = _seqs(rec, tok, [plain])
+    (kept,), _ = _seqs(rec, tok, [conv])
+    before = answer_segments("c", full.ids, full.mask, None, tok.eos_token_id, full.finished)
+    after = answer_segments("c", kept.ids, kept.mask, None, tok.eos_token_id, kept.finished)
+    assert len(before) == 2 and len(after) == 1 and torch.equal(after[0].tokens, before[1].tokens)
+    start = int(full.mask.nonzero()[0])
+    end = start + int((~full.mask[start:]).nonzero()[0])  # the first answer's run of the mask
+    first = torch.zeros_like(full.mask)
+    first[start:end] = True
+    assert kept.finished == [False] and torch.equal(kept.mask, full.mask & ~first)
+    conv["messages"][3]["reused"] = True  # nothing left to train on: said, not silently dropped
+    with pytest.raises(ValueError, match="no answers to train on"):
+        _seqs(rec, tok, [conv])
+
+
 def test_joint_training_resumes_heads_and_adapter_exactly(joint_data, tmp_path, monkeypatch):
     full = train(joint_recipe(joint_data, tmp_path / "full", max_steps=6, save_every=2, eval_every=6))
     real_save, calls = trainer_mod.save_checkpoint, []

@@ -122,7 +122,6 @@ def distill(
     return counts
 
 
-
 def reusable_answers(path: str | os.PathLike) -> dict[str, list[dict]]:
     """Prompt id -> messages of each conversation in a distilled file (its variants left out: a variant is another
     answer to the same prompt), for distill's `reuse`."""

@@ -98,12 +98,32 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
     return run(recipe, resume, partial(_job, recipe))
 
 
+def _without_reused(mask: torch.Tensor, answers: list[dict]) -> tuple[torch.Tensor, list[bool]]:
+    """The loss mask without the answers distill took from earlier data ("reused": true; the earlier data trains
+    on them, as features.reused_segments leaves them out of Medusa-1 training), and the kept answers' finished
+    flags. Turn t is the mask's t-th run, as in features.answer_segments."""
+    reused = [bool(m.get("reused")) for m in answers]
+    finished = [m.get("finished", True) for m, r in zip(answers, reused) if not r]
+    if not any(reused):
+        return mask, finished
+    mask = mask.clone()
+    starts = (mask[1:] & ~mask[:-1]).nonzero().flatten() + 1
+    for turn, start in enumerate(starts.tolist()):
+        if turn < len(reused) and reused[turn]:
+            end = start
+            while end < mask.shape[0] and mask[end]:
+                end += 1
+            mask[start:end] = False
+    return mask, finished
+
+
 def _seqs(recipe: TrainRecipe, tokenizer, convs: list[dict]) -> tuple[list[Seq], list[Seq]]:
     """The conversations as chat-template tokens: those with an answer token within recipe.max_length, and the rest."""
     seqs, cut = [], []
     for conv in convs:
         ids, mask = conversation_ids(tokenizer, conv["messages"], recipe.max_length)
-        finished = [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]
+        answers = [m for m in conv["messages"] if m["role"] == "assistant"]
+        mask, finished = _without_reused(mask, answers)
         (seqs if mask[1:].any() else cut).append(Seq(conv["id"], ids, mask, finished))
     if cut:  # said, not silently dropped
         print(f"joint training: {len(cut)} conversations have no answer token within max_length={recipe.max_length} "

@@ -9,6 +9,7 @@ set of nodes then yields 1 + sum of its nodes' worth tokens in expectation, and 
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -175,9 +176,38 @@ def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor
 
 
 def kernels_key(model: torch.nn.Module, prepacked: bool) -> str:
-    """The cost model a model's verify runs under: "<prepacked|stock>-<dtype>-<device type>"."""
+    """The kernels a model's verify runs: "<prepacked|stock>-<dtype>-<device type>"."""
     param = next(model.parameters())
     return f"{'prepacked' if prepacked else 'stock'}-{str(param.dtype).removeprefix('torch.')}-{param.device.type}"
+
+
+def hardware(device: torch.device) -> str:
+    """What the same kernels run on: a CPU's vector ISA as ATen dispatches it ("avx2", "avx512": the AVX2 fp32 GEMM
+    works on blocks of 6 rows and reads the weights at other rates, so the verify's cost by tree size has another
+    shape), a GPU's name ("nvidia-h200"); "" where neither is known."""
+    if device.type == "cpu":
+        return torch.backends.cpu.get_cpu_capability().lower()
+    if device.type == "cuda":
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return ""
+
+
+def cost_key(model: torch.nn.Module, prepacked: bool) -> str:
+    """The key `calibrate` stores a cost model under: "<kernels_key>-<hardware>" ("prepacked-float32-cpu-avx2")."""
+    kernels, where = kernels_key(model, prepacked), hardware(next(model.parameters()).device)
+    return f"{kernels}-{where}" if where else kernels
+
+
+def find_cost(costs: dict, model: torch.nn.Module, prepacked: bool) -> str | None:
+    """The stored cost model (its key in `costs`) for this model's kernels, best first: measured on this hardware;
+    stored without hardware (heads calibrated before costs named it); the same kernels on other hardware (the
+    first key in sorted order: a tree from another machine's costs is still lossless, only sized less well).
+    None: not calibrated for these kernels. Deterministic for a machine, so a seed reproduces a sample."""
+    exact, kernels = cost_key(model, prepacked), kernels_key(model, prepacked)
+    for key in (exact, kernels):
+        if key in costs:
+            return key
+    return next((k for k in sorted(costs) if k.startswith(kernels + "-")), None)
 
 
 def tokens_per_ms(values: torch.Tensor, step_ms: torch.Tensor) -> torch.Tensor:

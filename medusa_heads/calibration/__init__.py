@@ -11,7 +11,7 @@ import torch
 from medusa_heads.calibration import measure, report
 from medusa_heads.checkpoint import save_config
 from medusa_heads.inference.prepack import is_prepacked
-from medusa_heads.tree.adaptive import kernels_key
+from medusa_heads.tree.adaptive import cost_key
 from medusa_heads.tree.calibrate import rank_paths
 
 PARTS = measure.PARTS
@@ -81,7 +81,7 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         details["lookup"]["every_position"]["rates"] = [list(r) for r in dense.rates]
         log(report.lookup_table(details["lookup"], lookup))
     if "cost" in parts:
-        key = kernels_key(model.base_model, is_prepacked(model.base_model))
+        key = cost_key(model.base_model, is_prepacked(model.base_model))
         load = os.getloadavg()[0]  # other work on the machine slows every timing: kept beside them
         cost = (key, measure.measure_cost(model.target, model.heads, contexts=s.contexts, repeats=s.repeats,
                                           topk=s.accept_topk, overhead_ms=s.overhead_ms))

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from medusa_heads.config import DEFAULT_TREE
 from medusa_heads.inference.prepack import is_prepacked, stock_kernels
 from medusa_heads.prompting import eos_ids, prompt_ids, prompt_text, user_turn
+from medusa_heads.tree.adaptive import hardware
 from medusa_heads.training.data import PromptRow
 
 
@@ -211,7 +212,8 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                      "tree": "adaptive" if configured == ADAPTIVE else f"fixed, {fixed.num_nodes} nodes",
                      "fixed_tree_nodes": fixed.num_nodes, "preset": preset,
                      "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype),
-                     "prepacked_linears": is_prepacked(base)},
+                     "prepacked_linears": is_prepacked(base), "hardware": hardware(device),
+                     "cost_model": model.cost_model_key() if configured == ADAPTIVE else None},
     }
     if profile:
         total = profile.pop("total")
@@ -231,7 +233,9 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     title = (f"{st.get('model') or 'model'}: {st['max_new_tokens']} new tokens, {_sampling_text(st['sampling'])}, "
              f"tree {st['tree']}")
     details = (f"{st['prompts']} prompts, {st['dtype'].removeprefix('torch.')} on {st['device']}, "
-               f"{'prepacked' if st['prepacked_linears'] else 'stock'} kernels, {st['threads']} threads")
+               f"{'prepacked' if st['prepacked_linears'] else 'stock'} kernels, {st['threads']} threads"
+               + (f", {st['hardware']}" if st.get("hardware") else "")
+               + (f"; per-step trees sized by the cost model {st['cost_model']}" if st.get("cost_model") else ""))
     lines = [f"# Benchmark: {title}", "", f"{details}.", ""]
     header = "| category | method | tokens/s | tau | speed-up vs hf | mismatches | peak MB |"
     lines += [header, "|---|---|---|---|---|---|---|"]
