@@ -127,7 +127,10 @@ class AdaptiveDrafter:
     def _merge_lookup(self, sequence: torch.Tensor, tok: list[int], par: list[int], val: list[float],
                       slot: list[int], paths: list[list[int]]) -> None:
         """The lookup continuation follows drafted candidates while it repeats them (raising their worth to its
-        own where higher), then hangs below as new candidates worth the lookup's rates."""
+        own where higher), then hangs below as new candidates worth the lookup's rates. The target takes one token
+        after a node, so a lookup token's rate is at most what the node's other drafted children leave
+        (1 - the sum of their rates): a continuation that the heads contradict is worth little however long the
+        n-gram it was found by (results/round18: kept lookup nodes were accepted about half as often as rated)."""
         found, ngram = lookup_match(sequence, self.lookup_tokens, self.max_ngram, self.min_ngram)
         rates = self.lookup.chain(ngram, len(found))
         children: dict[int, dict[int, int]] = {}
@@ -135,8 +138,12 @@ class AdaptiveDrafter:
             children.setdefault(par[i], {})[tok[i]] = i
         node, worth = 0, 1.0
         for token, rate in zip(found.tolist(), rates):
-            worth *= min(rate * self.correction.factor(0), 1.0)
-            child = children.get(node, {}).get(token)
+            rate = min(rate * self.correction.factor(0), 1.0)
+            siblings = children.get(node, {})
+            if siblings and val[node] > 0.0:
+                rate = min(rate, max(1.0 - sum(val[c] for t, c in siblings.items() if t != token) / val[node], 0.0))
+            worth *= rate
+            child = siblings.get(token)
             if child is None:
                 child = len(tok)
                 tok.append(token), par.append(node), val.append(worth), slot.append(0)

@@ -120,6 +120,25 @@ def test_a_model_sizes_its_trees_by_this_machines_cost_model():
     assert max(res.stats.tree_sizes) > 4
 
 
+def test_a_lookup_token_is_worth_at_most_what_its_drafted_siblings_leave():
+    """The target takes one token after a node: where the heads' children of the root are worth 0.7 and 0.2, a
+    lookup token that is neither is worth at most 0.1, though its n-gram rate says 0.8; one that repeats the 0.2
+    child may raise it to at most 0.3. Below a node the heads did not expand, the lookup's own rates hold."""
+    base = tiny_model("llama", seed=0)
+    model = calibrated(base, FLAT)
+    drafter = model._adaptive_drafter(lookup=4, ngram=3)
+    sequence = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # "5 6 7" matched: the continuation is 8, 9, 5, 6
+    for first, expected in ((11, 0.1), (8, 0.3)):
+        tok, par, val, slot = [7, 12, first], [-1, 0, 0], [1.0, 0.7, 0.2], [0, 1, 1]
+        paths = [[7], [7, 12], [7, first]]
+        drafter._merge_lookup(sequence, tok, par, val, slot, paths)
+        lookup = LookupAcceptance.from_dict(model.config.adaptive["lookup"]).chain(3, 4)
+        nodes = {tuple(p[1:]): i for i, p in enumerate(paths)}
+        assert val[nodes[(8,)]] == pytest.approx(expected)  # 0.8 without the cap
+        assert val[nodes[(8, 9)]] == pytest.approx(expected * lookup[1])
+        assert val[nodes[(8, 9, 5, 6)]] == pytest.approx(expected * lookup[1] * lookup[2] * lookup[3])
+
+
 def test_acceptance_reads_its_bin_and_depth():
     acc = Acceptance(EDGES, ((0.1, 0.2, 0.3, 0.4), (0.5, 0.6, 0.7, 0.8)))
     assert acc(1, torch.tensor([0.0, 0.1, 0.35, 0.99])).tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
