@@ -61,6 +61,13 @@ def conversation_ids(tokenizer, messages: list[dict], max_length: int) -> tuple[
     return torch.tensor(ids[:max_length]), torch.tensor(mask[:max_length])
 
 
+def mask_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in a loss mask (L,): the assistant's answers, turn t the t-th run."""
+    edges = torch.diff(mask.to(torch.int8), prepend=mask.new_zeros(1, dtype=torch.int8),
+                       append=mask.new_zeros(1, dtype=torch.int8))
+    return list(zip((edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()))
+
+
 def eos_ids(*sources) -> list[int]:
     """The stop tokens named by any of `sources` (an id, a list of ids, None, or a tokenizer / generation config
     with eos_token_id), without repeats, in order."""

@@ -12,6 +12,7 @@ from medusa_heads.training import trainer as trainer_mod
 from medusa_heads.training.data import append_conversations, read_conversations, read_prompts
 from medusa_heads.inference.prepack import prepack_linears, prepack_supported
 from medusa_heads.inference.tap import LMHeadTap
+from medusa_heads.prompting import mask_runs
 from medusa_heads.training.features import Segment, answer_segments, next_shard_path, write_shard
 from medusa_heads.training.recipe import TrainRecipe
 from medusa_heads.training.trainer import train
@@ -159,6 +160,15 @@ def test_answer_segments_pair_each_hidden_state_with_the_token_it_produced_and_s
     assert [s.tokens.tolist() for s in unfinished] == [[7, 9], [8, 8]]
     assert [s.id for s in answer_segments("c", ids, mask, None, eos=7)] == ["c#0", "c#1"]
     assert [s.id for s in answer_segments("c", ids, mask, None, eos=7, finished=[False, True])] == ["c#1"]  # empty: left out
+
+
+def test_mask_runs_are_the_answers_turn_by_turn_including_runs_at_either_end():
+    mask = torch.tensor([1, 1, 0, 0, 1, 0, 1, 1], dtype=torch.bool)
+    assert mask_runs(mask) == [(0, 2), (4, 5), (6, 8)]
+    assert mask_runs(torch.zeros(3, dtype=torch.bool)) == [] and mask_runs(torch.ones(3, dtype=torch.bool)) == [(0, 3)]
+    # an answer at position 0 has no hidden state before it: its first token is left out, and it is still turn 0
+    segs = answer_segments("c", torch.arange(8), mask, torch.arange(8.0)[:, None])
+    assert [(s.id, s.tokens.tolist()) for s in segs] == [("c#0", [1]), ("c#1", [4]), ("c#2", [6, 7])]
 
 
 def test_recipe_keys_and_overrides(tmp_path):

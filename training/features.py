@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from medusa_heads.prompting import conversation_ids, mask_runs
+
 
 @dataclass
 class Segment:
@@ -85,14 +87,9 @@ def answer_segments(conv_id: str, ids: torch.Tensor, mask: torch.Tensor, hidden:
     """One Segment per assistant turn (a run of the loss mask), id "<conv_id>#<turn>": hidden[p] (the LM-head
     input at p) produced ids[p + 1]. With `eos`, a turn ends at its first eos token, which is kept unless
     finished[turn] is False (the answer was cut off: the model never wrote it). Empty turns are left out."""
-    out, turn, p, n = [], 0, 1, ids.shape[0]
-    while p < n:
-        if not (mask[p] and not mask[p - 1]):
-            p += 1
-            continue
-        end = p
-        while end < n and mask[end]:
-            end += 1
+    out = []
+    for turn, (start, end) in enumerate(mask_runs(mask)):
+        p = max(start, 1)  # a token at 0 has no hidden state before it
         length = end - p
         if eos is not None:
             stop = (ids[p:end] == eos).nonzero()
@@ -101,8 +98,6 @@ def answer_segments(conv_id: str, ids: torch.Tensor, mask: torch.Tensor, hidden:
         if length > 0:
             h = hidden[p - 1 : p - 1 + length] if hidden is not None else None
             out.append(Segment(f"{conv_id}#{turn}", h, ids[p : p + length]))
-        turn += 1
-        p = end
     return out
 
 
@@ -120,8 +115,6 @@ def features_from_conversations(model, tokenizer, conversations: list[dict], fol
     forward per conversation over its chat-template tokens. Resumable: every `per_shard` segments go to disk, and a
     rerun skips the conversations written. Returns the number of conversations computed."""
     from tqdm import tqdm
-
-    from medusa_heads.prompting import conversation_ids
 
     have = feature_ids(folder)
     todo = [c for c in conversations if c["id"] not in have]

@@ -21,7 +21,7 @@ from medusa_heads.checkpoint import save_heads
 from medusa_heads.heads import MedusaHeads
 from medusa_heads.inference.tap import LMHeadTap
 from medusa_heads.loading import load_base, load_tokenizer
-from medusa_heads.prompting import conversation_ids
+from medusa_heads.prompting import conversation_ids, mask_runs
 from medusa_heads.training.data import is_eval
 from medusa_heads.training.features import Segment, answer_segments
 from medusa_heads.training.loss import IGNORE, medusa_loss
@@ -101,18 +101,14 @@ def train_joint(recipe: TrainRecipe, resume: bool = False) -> Path:
 def _without_reused(mask: torch.Tensor, answers: list[dict]) -> tuple[torch.Tensor, list[bool]]:
     """The loss mask without the answers distill took from earlier data ("reused": true; the earlier data trains
     on them, as features.reused_segments leaves them out of Medusa-1 training), and the kept answers' finished
-    flags. Turn t is the mask's t-th run, as in features.answer_segments."""
+    flags. Turn t is the mask's t-th run (prompting.mask_runs), as in features.answer_segments."""
     reused = [bool(m.get("reused")) for m in answers]
     finished = [m.get("finished", True) for m, r in zip(answers, reused) if not r]
     if not any(reused):
         return mask, finished
     mask = mask.clone()
-    starts = (mask[1:] & ~mask[:-1]).nonzero().flatten() + 1
-    for turn, start in enumerate(starts.tolist()):
+    for turn, (start, end) in enumerate(mask_runs(mask)):
         if turn < len(reused) and reused[turn]:
-            end = start
-            while end < mask.shape[0] and mask[end]:
-                end += 1
             mask[start:end] = False
     return mask, finished
 

@@ -277,17 +277,12 @@ def _reliability(pred: torch.Tensor, hits: torch.Tensor, edges: tuple[float, ...
 
 def answer_spans(ids: torch.Tensor, mask: torch.Tensor, eos: int | None) -> list[tuple[int, int]]:
     """[start, end) of each assistant answer in a tokenized conversation, cut after its first `eos`."""
-    spans, p, n = [], 0, ids.shape[0]
-    while p < n:
-        if not mask[p]:
-            p += 1
-            continue
-        end = p
-        while end < n and mask[end]:
-            end += 1
-        stop = (ids[p:end] == eos).nonzero() if eos is not None else []
-        spans.append((p, p + int(stop[0]) + 1 if len(stop) else end))
-        p = end
+    from medusa_heads.prompting import mask_runs
+
+    spans = []
+    for start, end in mask_runs(mask):
+        stop = (ids[start:end] == eos).nonzero() if eos is not None else []
+        spans.append((start, start + int(stop[0]) + 1 if len(stop) else end))
     return spans
 
 
