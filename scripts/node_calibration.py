@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""How often the per-step tree's kept nodes are accepted against what it rated them, by source (a head at depth d,
+or prompt lookup by how it met the heads' candidates), greedy: every kept node whose parent was accepted is one
+trial of its conditional rate (the rate its worth was built from, the call's online correction included).
+
+    python scripts/node_calibration.py --prompts data/bench_prompts.jsonl --limit 12 --out results/x/nodes.md
+
+Prints the table and writes it as Markdown to --out. A source whose rates sit above what it was accepted at makes
+trees larger than they are worth."""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from medusa_heads import MedusaModel, prompt_ids
+from medusa_heads.inference.adaptive import AdaptiveDrafter, Correction
+from medusa_heads.loading import load_tokenizer
+from medusa_heads.training.data import read_prompts
+
+EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0001)
+
+
+KINDS = {0: "lookup below no drafted child", -1: "lookup against the heads", -2: "lookup = a head's"}
+
+
+def source(slot: int) -> str:
+    """What drafted a node: a head at depth `slot`, or prompt lookup of a kind that tag_lookup_kinds marks."""
+    return KINDS.get(slot, f"head {slot}")
+
+
+def tag_lookup_kinds() -> None:
+    """Marks each lookup node by how it met the heads' candidates: a new node under a parent with drafted children
+    (-1: the heads drafted other tokens there), a new node under one without (0), or a drafted child the lookup
+    repeated and raised (-2). The drafter's online correction pools them as one source (slot 0), as it does."""
+    merge, factor, add = AdaptiveDrafter._merge_lookup, Correction.factor, Correction.add
+
+    def tagged(self, sequence, tok, par, val, slot, paths):
+        before, drafted_parents = len(tok), set(par[1:])
+        was = list(slot)
+        merge(self, sequence, tok, par, val, slot, paths)
+        for i in range(1, len(tok)):
+            if i >= before:
+                slot[i] = -1 if par[i] in drafted_parents else 0
+            elif slot[i] == 0 and was[i] != 0:
+                slot[i] = -2
+
+    AdaptiveDrafter._merge_lookup = tagged
+    Correction.factor = lambda self, slot: factor(self, max(slot, 0))
+    Correction.add = lambda self, slot, predicted, observed: add(self, max(slot, 0), predicted, observed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files (first turn of each row)")
+    p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--limit", type=int, default=None, help="the first N prompts of each file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    trials: list[tuple[int, float, bool]] = []  # (slot: 0 lookup, d head d; conditional rate; accepted)
+    update = AdaptiveDrafter.update
+
+    def recording(self, accepted):
+        for (parents, worth, slot), nodes in zip(self._drafted, accepted):
+            nodes = nodes.tolist()
+            for depth, node in enumerate(nodes):
+                nxt = nodes[depth + 1] if depth + 1 < len(nodes) else -1
+                for child in (c for c in range(1, len(parents)) if parents[c] == node):
+                    trials.append((slot[child], worth[child] / max(worth[node], 1e-12), child == nxt))
+        update(self, accepted)
+
+    AdaptiveDrafter.update = recording
+    tag_lookup_kinds()
+    model = MedusaModel.from_pretrained(args.model, **({"heads": args.heads} if args.heads else {}))
+    tok = load_tokenizer(args.model)
+    rows = [r for f in args.prompts for r in read_prompts(f)[: args.limit]]
+    for row in tqdm(rows, desc="nodes", unit="prompt"):
+        ids = prompt_ids(tok, row.turns[0])
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False)
+
+    table = defaultdict(lambda: [0, 0.0, 0])  # (source, bin) -> [n, sum rate, accepted]
+    for slot, rate, hit in trials:
+        b = next(i for i in range(len(EDGES) - 1) if rate < EDGES[i + 1])
+        for key in ((source(slot), b), (source(slot), None)):
+            t = table[key]
+            t[0] += 1
+            t[1] += rate
+            t[2] += int(hit)
+    lines = [f"Kept nodes whose parent was accepted: rated (conditional rate, online correction included) against "
+             f"accepted; {len(rows)} prompts ({', '.join(args.prompts)}{f', the first {args.limit} of each' if args.limit else ''}), "
+             f"greedy, {args.max_new_tokens} new tokens, {model.cost_model_key()} cost model.", "",
+             "| source | rate bin | nodes | rated | accepted |", "|---|---|---|---|---|"]
+    for name in sorted({s for s, _ in table}, key=lambda s: (s.startswith("head"), s)):
+        for b in [*range(len(EDGES) - 1), None]:
+            if (name, b) not in table:
+                continue
+            n, rated, hit = table[(name, b)]
+            span = "all" if b is None else f"{EDGES[b]:.2f}–{min(EDGES[b + 1], 1.0):.2f}"
+            lines.append(f"| {name} | {span} | {n} | {rated / n:.3f} | {hit / n:.3f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
