@@ -139,6 +139,31 @@ def test_a_lookup_token_is_worth_at_most_what_its_drafted_siblings_leave():
         assert val[nodes[(8, 9, 5, 6)]] == pytest.approx(expected * lookup[1] * lookup[2] * lookup[3])
 
 
+def test_a_lookup_token_that_repeats_a_drafted_child_raises_it_as_independent_evidence():
+    """Heads 0.3 and lookup 0.8 for the same token: 1 - 0.7 x 0.2 = 0.86, not the larger 0.8; the child's drafted
+    subtree keeps its rates given the child (its worth rises with it), and the next lookup token is capped by it."""
+    base = tiny_model("llama", seed=0)
+    drafter = calibrated(base, FLAT)._adaptive_drafter(lookup=4, ngram=3)
+    sequence = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # "5 6 7" matched: the continuation is 8, 9, 5, 6 at 0.8, 0.9, ...
+    tok, par, val, slot = [7, 8, 12, 20], [-1, 0, 0, 1], [1.0, 0.3, 0.1, 0.15], [0, 1, 1, 2]
+    paths = [[7], [7, 8], [7, 12], [7, 8, 20]]
+    drafter._merge_lookup(sequence, tok, par, val, slot, paths)
+    nodes = {tuple(p[1:]): i for i, p in enumerate(paths)}
+    assert val[nodes[(8,)]] == pytest.approx(0.86) and slot[nodes[(8,)]] == 0
+    assert val[nodes[(8, 20)]] == pytest.approx(0.86 * 0.5) and val[nodes[(12,)]] == pytest.approx(0.1)
+    assert val[nodes[(8, 9)]] == pytest.approx(0.86 * 0.5)  # 0.9, capped by the 0.5 its sibling 20 holds
+    assert val[nodes[(8, 9, 5, 6)]] == pytest.approx(0.86 * 0.5 * 0.9 * 0.9)
+    assert all(val[i] <= val[par[i]] for i in range(1, len(tok)))  # worth never grows down a path
+    # a drafted grandchild as sure as its parent (rate 1) stays at most its parent's worth through the rescaling
+    for heads in (0.1, 0.3, 0.7, 1 / 3, 0.123456789):
+        tok, par, val, slot = [7, 8, 12, 20], [-1, 0, 0, 1], [1.0, heads, 0.05, heads], [0, 1, 1, 2]
+        paths = [[7], [7, 8], [7, 12], [7, 8, 20]]
+        drafter._merge_lookup(sequence, tok, par, val, slot, paths)
+        assert val[3] <= val[1] and val[1] > heads
+        drafter._merge_lookup(sequence, tok, par, val, slot, paths)  # a second merge raises it again, from there
+        assert all(val[i] <= val[par[i]] for i in range(1, len(tok)))
+
+
 def test_acceptance_reads_its_bin_and_depth():
     acc = Acceptance(EDGES, ((0.1, 0.2, 0.3, 0.4), (0.5, 0.6, 0.7, 0.8)))
     assert acc(1, torch.tensor([0.0, 0.1, 0.35, 0.99])).tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
