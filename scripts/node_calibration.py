@@ -28,14 +28,16 @@ KINDS = {0: "lookup below no drafted child", -1: "lookup against the heads", -2:
 
 
 def source(slot: int) -> str:
-    """What drafted a node: a head at depth `slot`, or prompt lookup of a kind that tag_lookup_kinds marks."""
+    """What drafted a node: a head at depth `slot`, or prompt lookup of a kind that `record` marks."""
     return KINDS.get(slot, f"head {slot}")
 
 
-def tag_lookup_kinds() -> None:
+def record(trials: list[tuple[int, float, bool]]) -> None:
     """Marks each lookup node by how it met the heads' candidates: a new node under a parent with drafted children
     (-1: the heads drafted other tokens there), a new node under one without (0), or a drafted child the lookup
-    repeated and raised (-2). The drafter's online correction pools them as one source (slot 0), as it does."""
+    repeated and raised (-2); the drafter's online correction still pools them as one source (slot 0). Every
+    (slot, predicted rate, observed) the correction is given after a verify (AdaptiveDrafter.update: one per kept
+    node whose parent was accepted) is appended to `trials`."""
     merge, factor, add = AdaptiveDrafter._merge_lookup, Correction.factor, Correction.add
 
     def tagged(self, sequence, tok, par, val, slot, paths):
@@ -48,9 +50,13 @@ def tag_lookup_kinds() -> None:
             elif slot[i] == 0 and was[i] != 0:
                 slot[i] = -2
 
+    def recorded(self, slot, predicted, observed):
+        trials.append((slot, predicted, bool(observed)))
+        add(self, max(slot, 0), predicted, observed)
+
     AdaptiveDrafter._merge_lookup = tagged
     Correction.factor = lambda self, slot: factor(self, max(slot, 0))
-    Correction.add = lambda self, slot, predicted, observed: add(self, max(slot, 0), predicted, observed)
+    Correction.add = recorded
 
 
 def main() -> None:
@@ -65,20 +71,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    trials: list[tuple[int, float, bool]] = []  # (slot: 0 lookup, d head d; conditional rate; accepted)
-    update = AdaptiveDrafter.update
-
-    def recording(self, accepted):
-        for (parents, worth, slot), nodes in zip(self._drafted, accepted):
-            nodes = nodes.tolist()
-            for depth, node in enumerate(nodes):
-                nxt = nodes[depth + 1] if depth + 1 < len(nodes) else -1
-                for child in (c for c in range(1, len(parents)) if parents[c] == node):
-                    trials.append((slot[child], worth[child] / max(worth[node], 1e-12), child == nxt))
-        update(self, accepted)
-
-    AdaptiveDrafter.update = recording
-    tag_lookup_kinds()
+    trials: list[tuple[int, float, bool]] = []  # (slot: a head's depth, or a lookup kind; conditional rate; accepted)
+    record(trials)
     model = MedusaModel.from_pretrained(args.model, **({"heads": args.heads} if args.heads else {}))
     tok = load_tokenizer(args.model)
     rows = [r for f in args.prompts for r in read_prompts(f)[: args.limit]]
