@@ -35,27 +35,28 @@ def source(slot: int) -> str:
 def record(trials: list[tuple[int, float, bool]]) -> None:
     """Marks each lookup node by how it met the heads' candidates: a new node under a parent with drafted children
     (-1: the heads drafted other tokens there), a new node under one without (0), or a drafted child the lookup
-    repeated and raised (-2); the drafter's online correction still pools them as one source (slot 0). Every
-    (slot, predicted rate, observed) the correction is given after a verify (AdaptiveDrafter.update: one per kept
-    node whose parent was accepted) is appended to `trials`."""
-    merge, factor, add = AdaptiveDrafter._merge_lookup, Correction.factor, Correction.add
+    repeated and raised (-2). The drafter's online correction keeps its own slots (the lookup's new nodes pooled,
+    the raised children apart). Every (slot, predicted rate, observed) the correction is given after a verify
+    (AdaptiveDrafter.update: one per kept node whose parent was accepted) is appended to `trials`."""
+    merge, add = AdaptiveDrafter._merge_lookup, Correction.add
 
     def tagged(self, sequence, tok, par, val, slot, paths):
         before, drafted_parents = len(tok), set(par[1:])
-        was = list(slot)
         merge(self, sequence, tok, par, val, slot, paths)
         for i in range(1, len(tok)):
             if i >= before:
                 slot[i] = -1 if par[i] in drafted_parents else 0
-            elif slot[i] == 0 and was[i] != 0:
+            elif slot[i] == self.repeat:
                 slot[i] = -2
+
+    def drafter_slot(correction: Correction, slot: int) -> int:
+        return len(correction.shift) - 1 if slot == -2 else max(slot, 0)  # -2: the raised children's slot
 
     def recorded(self, slot, predicted, observed):
         trials.append((slot, predicted, bool(observed)))
-        add(self, max(slot, 0), predicted, observed)
+        add(self, drafter_slot(self, slot), predicted, observed)
 
     AdaptiveDrafter._merge_lookup = tagged
-    Correction.factor = lambda self, slot: factor(self, max(slot, 0))
     Correction.add = recorded
 
 

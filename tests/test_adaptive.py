@@ -1,13 +1,15 @@
 """Trees chosen at each step: the selection, and output that stays exactly the target's."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path, prompt_ids
-from medusa_heads.inference.adaptive import AdaptiveDrafter
+from medusa_heads.inference.adaptive import PRIOR, AdaptiveDrafter, Correction
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked
 from medusa_heads.inference.propose import Draft, RowDrafter
 from medusa_heads.tree.adaptive import (
@@ -149,7 +151,7 @@ def test_a_lookup_token_that_repeats_a_drafted_child_raises_it_as_independent_ev
     paths = [[7], [7, 8], [7, 12], [7, 8, 20]]
     drafter._merge_lookup(sequence, tok, par, val, slot, paths)
     nodes = {tuple(p[1:]): i for i, p in enumerate(paths)}
-    assert val[nodes[(8,)]] == pytest.approx(0.86) and slot[nodes[(8,)]] == 0
+    assert val[nodes[(8,)]] == pytest.approx(0.86) and slot[nodes[(8,)]] == drafter.repeat
     assert val[nodes[(8, 20)]] == pytest.approx(0.86 * 0.5) and val[nodes[(12,)]] == pytest.approx(0.1)
     assert val[nodes[(8, 9)]] == pytest.approx(0.86 * 0.5)  # 0.9, capped by the 0.5 its sibling 20 holds
     assert val[nodes[(8, 9, 5, 6)]] == pytest.approx(0.86 * 0.5 * 0.9 * 0.9)
@@ -162,6 +164,57 @@ def test_a_lookup_token_that_repeats_a_drafted_child_raises_it_as_independent_ev
         assert val[3] <= val[1] and val[1] > heads
         drafter._merge_lookup(sequence, tok, par, val, slot, paths)  # a second merge raises it again, from there
         assert all(val[i] <= val[par[i]] for i in range(1, len(tok)))
+
+
+def test_raised_children_and_the_lookups_own_tokens_learn_their_corrections_apart():
+    """A call whose raised children were all accepted raises them further, not the lookup's own tokens; one whose
+    lookup tokens all failed lowers the lookup's rate inside the noisy OR, not the raised children's own shift."""
+    base = tiny_model("llama", seed=0)
+    model = calibrated(base, FLAT)
+    lookup = LookupAcceptance.from_dict(model.config.adaptive["lookup"]).chain(3, 4)
+    sequence = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # "5 6 7" matched: the continuation is 8, 9, 5, 6
+
+    def merged(drafter):
+        tok, par, val, slot = [7, 8, 12], [-1, 0, 0], [1.0, 0.3, 0.05], [0, 1, 1]
+        paths = [[7], [7, 8], [7, 12]]
+        drafter._merge_lookup(sequence, tok, par, val, slot, paths)
+        nodes = {tuple(p[1:]): i for i, p in enumerate(paths)}
+        return val[nodes[(8,)]], val[nodes[(8, 9)]] / val[nodes[(8,)]], slot[nodes[(8,)]], slot[nodes[(8, 9)]]
+
+    fresh = model._adaptive_drafter(lookup=4, ngram=3)
+    assert merged(fresh) == pytest.approx((0.86, lookup[1], fresh.repeat, 0))
+    sure = model._adaptive_drafter(lookup=4, ngram=3)
+    for _ in range(8):
+        sure.correction.add(sure.repeat, 0.5, 1.0)
+    sure.correction.fit()
+    raised = sure.correction(sure.repeat, 0.86)
+    assert 0.86 < raised and merged(sure)[:2] == pytest.approx((min(raised, 0.95), lookup[1]))  # 0.95: the sibling
+    doubt = model._adaptive_drafter(lookup=4, ngram=3)
+    for _ in range(8):
+        doubt.correction.add(0, 0.8, 0.0)
+    doubt.correction.fit()
+    r = doubt.correction(0, 0.8)
+    assert r < 0.8 and merged(doubt)[:2] == pytest.approx((1 - 0.7 * (1 - r), doubt.correction(0, lookup[1])))
+    assert doubt.correction.shift[doubt.repeat] == sure.correction.shift[0] == 0.0
+
+
+def test_the_online_correction_learns_the_calibrations_error_not_what_is_left_of_it():
+    """A source rated 0.5 and accepted 0.25 of the time, drafted with the corrected rate step after step: the shift
+    converges to logit(0.25) - logit(0.5) (less the prior's pull), and solves the MAP equation after each fit. A
+    correction fitted to the corrected rates would drift back towards no shift as it succeeds."""
+    c = Correction(3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(300):
+        rated = c(1, 0.5)  # what the drafter rates the node now
+        for _ in range(4):
+            c.add(1, rated, float(torch.rand((), generator=gen) < 0.25))
+        c.fit()
+    slot, z, y = torch.tensor(c._slot), torch.tensor(c._logit), torch.tensor(c._hit)
+    assert torch.allclose(z, torch.full_like(z, 0.0), atol=1e-5)  # kept before the shift: logit(0.5)
+    b = c.shift[1]
+    assert float((y - torch.sigmoid(z + b)).sum()) == pytest.approx(PRIOR / 4 * b, abs=1e-3)
+    assert b == pytest.approx(math.log(1 / 3), abs=0.15) and c.shift[0] == c.shift[2] == 0.0
+    assert c(1, 0.5) == pytest.approx(0.25, abs=0.03) and c(1, 0.99) > 0.95 and c(1, 0.01) < 0.01
 
 
 def test_acceptance_reads_its_bin_and_depth():

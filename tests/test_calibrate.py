@@ -214,7 +214,10 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     main(common + ["--parts", "acceptance,lookup,cost", "--no-prepack"])
     out = capsys.readouterr().out
     assert "acceptance given the parent accepted" in out and "prompt lookup" in out and "verify ms (stock-float32-cpu-" in out
-    main(common + ["--parts", "cost", "--prepack"])
+    no_data = [str(tmp_path / "missing.jsonl") if a == str(tmp_path / "data.jsonl") else a for a in common]
+    main(no_data + ["--parts", "cost", "--prepack"])  # timings need no conversations
+    with pytest.raises(SystemExit, match="missing.jsonl: no such file"):
+        main(no_data + ["--parts", "lookup"])
     saved = MedusaConfig.load(tmp_path / "heads" / "config.json")
     assert saved.tree == config["tree"]  # the fixed tree is left alone without the "tree" part
     isa = hardware(torch.device("cpu"))  # stored by the hardware the costs were measured on

@@ -298,10 +298,12 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if not parts or set(parts) - set(PARTS):
         raise SystemExit(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {args.parts!r}")
     _check_heads(args.heads)
-    _check_file(args.data, "--data")
+    needs_data = set(parts) != {"cost"}  # timings need no conversations
+    if needs_data:
+        _check_file(args.data, "--data")
     _check_model(args.model)
     torch.set_num_threads(args.threads)
-    conversations = held_out_conversations(read_conversations(args.data), args.heads)
+    conversations = held_out_conversations(read_conversations(args.data), args.heads) if needs_data else []
     prepack = args.prepack and args.device in (None, "cpu")
     model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=getattr(torch, DTYPES[args.dtype]),
                                         device_map=args.device, prepack=None if prepack else False,
