@@ -27,6 +27,7 @@ from medusa_heads import MedusaModel, prompt_ids
 from medusa_heads.inference.prepack import prepack_linears
 from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.training.data import read_prompts
+from tables import emit  # scripts/tables.py: this script's folder is on the path
 
 
 def main() -> None:
@@ -115,11 +116,7 @@ def main() -> None:
         if not args.sample:  # sampled outputs differ from generate's draws (same distribution, other random numbers)
             cells.append(", ".join(f"{acc[(key, w)]['same']}/{acc[(key, w)]['prompts']}" for w in args.heads))
         lines.append("| " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -20,6 +19,7 @@ from medusa_heads import MedusaModel, prompt_ids
 from medusa_heads.inference.adaptive import AdaptiveDrafter, Correction
 from medusa_heads.loading import load_tokenizer
 from medusa_heads.training.data import read_prompts
+from tables import emit  # scripts/tables.py: this script's folder is on the path
 
 EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0001)
 
@@ -100,11 +100,7 @@ def main() -> None:
             n, rated, hit = table[(name, b)]
             span = "all" if b is None else f"{EDGES[b]:.2f}–{min(EDGES[b + 1], 1.0):.2f}"
             lines.append(f"| {name} | {span} | {n} | {rated / n:.3f} | {hit / n:.3f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
