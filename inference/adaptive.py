@@ -33,7 +33,7 @@ class Correction:
     rate -> sigmoid(logit(rate) + b), fitted to the call's observed acceptance: the maximum a posteriori b under a
     Gaussian prior with the information of PRIOR observations at p = 1/2, a few Newton steps after each verify.
     A shift in log-odds moves a rate of 1/2 most and rates near 0 or 1 least, which is how the heads' rates miss on
-    text they have not seen (results/round20: head 1's 0.60s accepted 0.47, its 0.075s 0.076); a factor moves the
+    text they have not seen (results/round19/nodes_after.md: head 1's 0.60s accepted 0.47, its 0.075s 0.076); a factor moves the
     high rates most and clips them at 1. Trials are kept as the rates before the shift, so b measures the stored
     calibration's error, not what remains of it after an earlier b."""
 
