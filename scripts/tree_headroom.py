@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""How much of τ the per-step tree's selection leaves on the table, greedy: at each step, the target's own
+continuation (known once the answer is done) is matched against the kept tree and against every candidate the
+drafter scored (heads and lookup, before the selection).
+
+    python scripts/tree_headroom.py --prompts data/bench_prompts.jsonl --limit 12 --out results/x/headroom.md
+
+Per step: kept = the accepted length (drafted tokens the target took); candidates = the longest prefix of the
+target's continuation that is a path among the candidates; at the kept size = the same, at most the kept tree's
+size (an oracle that knew the continuation and kept only its path, at the same verify cost). τ is 1 + the mean.
+If "at the kept size" is far above "kept", better selection could pay; if it is close, the candidates are the
+limit (the heads, and the lookup)."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tqdm import tqdm
+
+from medusa_heads import MedusaModel, prompt_ids
+from medusa_heads.inference.adaptive import AdaptiveDrafter
+from medusa_heads.loading import load_tokenizer
+from medusa_heads.training.data import read_prompts
+from tables import emit  # scripts/tables.py: this script's folder is on the path
+
+
+def record(steps: list[dict]) -> None:
+    """Each step's root position, candidate paths (each a tuple of drafted tokens below the root) and kept paths
+    are appended to `steps` (one row of one call at a time: batches are not measured)."""
+    merge, draft_row = AdaptiveDrafter._merge_lookup, AdaptiveDrafter._draft_row
+
+    def merged(self, sequence, tok, par, val, slot, paths):
+        merge(self, sequence, tok, par, val, slot, paths)
+        self._candidates = {tuple(p[1:]) for p in paths[1:]}
+
+    def drafted(self, h, sequence):
+        self._candidates = set()
+        draft = draft_row(self, h, sequence)
+        parents, tokens = draft.buffers.parent.tolist(), [None] + draft.tokens.tolist()
+        kept = []
+        for node in range(1, len(parents)):
+            path, n = [], node
+            while n > 0:
+                path.append(tokens[n])
+                n = parents[n]
+            kept.append(tuple(reversed(path)))
+        steps.append({"root": sequence.shape[0] - 1, "candidates": self._candidates | set(kept), "kept": set(kept)})
+        return draft
+
+    AdaptiveDrafter._merge_lookup = merged
+    AdaptiveDrafter._draft_row = drafted
+
+
+def matched(paths: set[tuple[int, ...]], continuation: list[int]) -> int:
+    """The longest prefix of `continuation` that is a path in `paths` (prefix-closed sets)."""
+    n = 0
+    while n < len(continuation) and tuple(continuation[: n + 1]) in paths:
+        n += 1
+    return n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files (first turn of each row)")
+    p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--limit", type=int, default=None, help="the first N prompts of each file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model = MedusaModel.from_pretrained(args.model, **({"heads": args.heads} if args.heads else {}))
+    tok = load_tokenizer(args.model)
+    rows = [(f, r) for f in args.prompts for r in read_prompts(f)[: args.limit]]
+    totals: dict[str, list[float]] = {}  # file -> [steps, kept, candidates, at the kept size, kept nodes]
+    steps: list[dict] = []
+    record(steps)
+    for name, row in tqdm(rows, desc="headroom", unit="prompt"):
+        steps.clear()
+        ids = prompt_ids(tok, row.turns[0])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                             do_sample=False)[0].tolist()
+        for t in (totals.setdefault(name, [0.0] * 5), totals.setdefault("all", [0.0] * 5)):
+            for s in steps:
+                continuation = out[s["root"] + 1 :]
+                size = len(s["kept"])
+                t[0] += 1
+                t[1] += matched(s["kept"], continuation)
+                t[2] += matched(s["candidates"], continuation)
+                t[3] += min(matched(s["candidates"], continuation), size)
+                t[4] += size
+    lines = [f"The target's own continuation against the kept tree and against every candidate, greedy, "
+             f"{args.max_new_tokens} new tokens, {model.cost_model_key()} cost model; τ = 1 + mean matched length.", "",
+             "| prompts | steps | kept nodes | τ kept | τ oracle at the kept size | τ oracle over all candidates |",
+             "|---|---|---|---|---|---|"]
+    for name, (n, kept, cand, same, nodes) in totals.items():
+        lines.append(f"| {name} | {int(n)} | {nodes / n:.1f} | {1 + kept / n:.2f} | {1 + same / n:.2f} | {1 + cand / n:.2f} |")
+    emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
