@@ -32,9 +32,16 @@ def record(steps: list[dict]) -> None:
     def merged(self, sequence, tok, par, val, slot, paths):
         merge(self, sequence, tok, par, val, slot, paths)
         self._candidates = {tuple(p[1:]) for p in paths[1:]}
+        siblings: dict[int, list[int]] = {}
+        for i in range(1, len(tok)):
+            siblings.setdefault(par[i], []).append(i)
+        self._rank = {}  # candidate path -> its rank among its parent's candidates, by worth (1: the most)
+        for kids in siblings.values():
+            for r, i in enumerate(sorted(kids, key=lambda i: -val[i]), 1):
+                self._rank[tuple(paths[i][1:])] = r
 
     def drafted(self, h, sequence):
-        self._candidates = set()
+        self._candidates, self._rank = set(), {}
         draft = draft_row(self, h, sequence)
         parents, tokens = draft.buffers.parent.tolist(), [None] + draft.tokens.tolist()
         kept = []
@@ -44,7 +51,8 @@ def record(steps: list[dict]) -> None:
                 path.append(tokens[n])
                 n = parents[n]
             kept.append(tuple(reversed(path)))
-        steps.append({"root": sequence.shape[0] - 1, "candidates": self._candidates | set(kept), "kept": set(kept)})
+        steps.append({"root": sequence.shape[0] - 1, "candidates": self._candidates | set(kept), "kept": set(kept),
+                      "rank": self._rank})
         return draft
 
     AdaptiveDrafter._merge_lookup = merged
@@ -75,6 +83,7 @@ def main() -> None:
     tok = load_tokenizer(args.model)
     rows = [(f, r) for f in args.prompts for r in read_prompts(f)[: args.limit]]
     totals: dict[str, list[float]] = {}  # file -> [steps, kept, candidates, at the kept size, kept nodes]
+    misses: dict[tuple[int, str], int] = {}  # (depth, how) -> steps whose kept tree leaves the path there, a candidate not
     steps: list[dict] = []
     record(steps)
     for name, row in tqdm(rows, desc="headroom", unit="prompt"):
@@ -91,12 +100,24 @@ def main() -> None:
                 t[2] += matched(s["candidates"], continuation)
                 t[3] += min(matched(s["candidates"], continuation), size)
                 t[4] += size
+        for s in steps:
+            continuation = out[s["root"] + 1 :]
+            have = matched(s["kept"], continuation)
+            if matched(s["candidates"], continuation) > have:
+                below = [k for k in s["kept"] if len(k) == have + 1 and k[:have] == tuple(continuation[:have])]
+                rank = s["rank"].get(tuple(continuation[: have + 1]), 0)
+                how = f"other children kept, the right one ranked {rank}" if below else "no child kept there"
+                misses[(have + 1, how)] = misses.get((have + 1, how), 0) + 1
     lines = [f"The target's own continuation against the kept tree and against every candidate, greedy, "
              f"{args.max_new_tokens} new tokens, {model.cost_model_key()} cost model; τ = 1 + mean matched length.", "",
              "| prompts | steps | kept nodes | τ kept | τ oracle at the kept size | τ oracle over all candidates |",
              "|---|---|---|---|---|---|"]
-    for name, (n, kept, cand, same, nodes) in totals.items():
+    for name, (n, kept, cand, same, nodes) in sorted(totals.items(), key=lambda kv: kv[0] == "all"):
         lines.append(f"| {name} | {int(n)} | {nodes / n:.1f} | {1 + kept / n:.2f} | {1 + same / n:.2f} | {1 + cand / n:.2f} |")
+    lines += ["", "Steps whose kept tree leaves the target's path where a candidate follows it, by the depth it leaves "
+              "at and how (the rank is by worth among the parent's candidates):", "",
+              "| depth | how | steps |", "|---|---|---|"]
+    lines += [f"| {d} | {how} | {n} |" for (d, how), n in sorted(misses.items())]
     emit(lines, args.out)
 
 
