@@ -209,10 +209,9 @@ def test_the_online_correction_learns_the_calibrations_error_not_what_is_left_of
         for _ in range(4):
             c.add(1, rated, float(torch.rand((), generator=gen) < 0.25))
         c.fit()
-    slot, z, y = torch.tensor(c._slot), torch.tensor(c._logit), torch.tensor(c._hit)
-    assert torch.allclose(z, torch.full_like(z, 0.0), atol=1e-5)  # kept before the shift: logit(0.5)
-    b = c.shift[1]
-    assert float((y - torch.sigmoid(z + b)).sum()) == pytest.approx(PRIOR / 4 * b, abs=1e-3)
+    assert list(c.trials) == [(1, 0.0)]  # kept before the shift: logit(0.5), 1,200 trials in one count
+    (n, hits), b = c.trials[(1, 0.0)], c.shift[1]
+    assert n == 1200 and hits - n / (1 + math.exp(-b)) == pytest.approx(PRIOR / 4 * b, abs=1e-3)  # the MAP equation
     assert b == pytest.approx(math.log(1 / 3), abs=0.15) and c.shift[0] == c.shift[2] == 0.0
     assert c(1, 0.5) == pytest.approx(0.25, abs=0.03) and c(1, 0.99) > 0.95 and c(1, 0.01) < 0.01
 
