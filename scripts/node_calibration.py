@@ -9,17 +9,14 @@ Prints the table and writes it as Markdown to --out. A source whose rates sit ab
 trees larger than they are worth."""
 from __future__ import annotations
 
-import argparse
 from collections import defaultdict
 
 import torch
 from tqdm import tqdm
 
-from medusa_heads import MedusaModel, prompt_ids
+from medusa_heads import prompt_ids
 from medusa_heads.inference.adaptive import AdaptiveDrafter, Correction
-from medusa_heads.loading import load_tokenizer
-from medusa_heads.training.data import read_prompts
-from tables import emit  # scripts/tables.py: this script's folder is on the path
+from common import emit, greedy_pass  # scripts/common.py: this script's folder is on the path
 
 EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0001)
 
@@ -61,23 +58,10 @@ def record(trials: list[tuple[int, float, bool]]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files (first turn of each row)")
-    p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--limit", type=int, default=None, help="the first N prompts of each file")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-
+    args, model, tok, rows = greedy_pass(__doc__)
     trials: list[tuple[int, float, bool]] = []  # (slot: a head's depth, or a lookup kind; conditional rate; accepted)
     record(trials)
-    model = MedusaModel.from_pretrained(args.model, **({"heads": args.heads} if args.heads else {}))
-    tok = load_tokenizer(args.model)
-    rows = [r for f in args.prompts for r in read_prompts(f)[: args.limit]]
-    for row in tqdm(rows, desc="nodes", unit="prompt"):
+    for _, row in tqdm(rows, desc="nodes", unit="prompt"):
         ids = prompt_ids(tok, row.turns[0])
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False)
 

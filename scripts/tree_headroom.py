@@ -12,16 +12,12 @@ If "at the kept size" is far above "kept", better selection could pay; if it is 
 limit (the heads, and the lookup)."""
 from __future__ import annotations
 
-import argparse
-
 import torch
 from tqdm import tqdm
 
-from medusa_heads import MedusaModel, prompt_ids
+from medusa_heads import prompt_ids
 from medusa_heads.inference.adaptive import AdaptiveDrafter
-from medusa_heads.loading import load_tokenizer
-from medusa_heads.training.data import read_prompts
-from tables import emit  # scripts/tables.py: this script's folder is on the path
+from common import emit, greedy_pass  # scripts/common.py: this script's folder is on the path
 
 
 def record(steps: list[dict]) -> None:
@@ -68,20 +64,7 @@ def matched(paths: set[tuple[int, ...]], continuation: list[int]) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files (first turn of each row)")
-    p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--limit", type=int, default=None, help="the first N prompts of each file")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-
-    model = MedusaModel.from_pretrained(args.model, **({"heads": args.heads} if args.heads else {}))
-    tok = load_tokenizer(args.model)
-    rows = [(f, r) for f in args.prompts for r in read_prompts(f)[: args.limit]]
+    args, model, tok, rows = greedy_pass(__doc__)
     totals: dict[str, list[float]] = {}  # file -> [steps, kept, candidates, at the kept size, kept nodes]
     misses: dict[tuple[int, str], int] = {}  # (depth, how) -> steps whose kept tree leaves the path there, a candidate not
     steps: list[dict] = []
