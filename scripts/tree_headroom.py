@@ -74,19 +74,12 @@ def main() -> None:
         ids = prompt_ids(tok, row.turns[0])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                              do_sample=False)[0].tolist()
-        for t in (totals.setdefault(name, [0.0] * 5), totals.setdefault("all", [0.0] * 5)):
-            for s in steps:
-                continuation = out[s["root"] + 1 :]
-                size = len(s["kept"])
-                t[0] += 1
-                t[1] += matched(s["kept"], continuation)
-                t[2] += matched(s["candidates"], continuation)
-                t[3] += min(matched(s["candidates"], continuation), size)
-                t[4] += size
-        for s in steps:
+        for s in steps:  # each step matched once, counted for its file and for all
             continuation = out[s["root"] + 1 :]
-            have = matched(s["kept"], continuation)
-            if matched(s["candidates"], continuation) > have:
+            have, could, size = matched(s["kept"], continuation), matched(s["candidates"], continuation), len(s["kept"])
+            for t in (totals.setdefault(name, [0.0] * 5), totals.setdefault("all", [0.0] * 5)):
+                t[0], t[1], t[2], t[3], t[4] = t[0] + 1, t[1] + have, t[2] + could, t[3] + min(could, size), t[4] + size
+            if could > have:
                 below = [k for k in s["kept"] if len(k) == have + 1 and k[:have] == tuple(continuation[:have])]
                 rank = s["rank"].get(tuple(continuation[: have + 1]), 0)
                 how = f"other children kept, the right one ranked {rank}" if below else "no child kept there"
