@@ -22,7 +22,7 @@ import torch
 from medusa_heads.heads import MedusaHeads
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
-from medusa_heads.inference.propose import MAX_NGRAM, Draft, lookup_match
+from medusa_heads.inference.propose import MAX_NGRAM, Draft, lookup_continuations
 
 PRIOR = 4.0  # the stored calibration counts as this many observations at p = 1/2 against a call's own acceptance
 EPS = 1e-4  # rates are kept in [EPS, 1 - EPS] in log-odds
@@ -92,13 +92,14 @@ class AdaptiveDrafter:
 
     def __init__(self, heads: MedusaHeads, acceptance: Acceptance, cost: CostModel,
                  lookup: LookupAcceptance | None = None, lookup_tokens: int = 0, max_ngram: int = MAX_NGRAM,
-                 min_ngram: int = 1, topk: int = 4, beam: int = 4) -> None:
-        if topk < 1 or beam < 1:
-            raise ValueError(f"topk and beam must be >= 1, got {topk} and {beam}")
+                 min_ngram: int = 1, topk: int = 4, beam: int = 4, lookup_branches: int = 1) -> None:
+        if topk < 1 or beam < 1 or lookup_branches < 1:
+            raise ValueError(f"topk, beam and lookup_branches must be >= 1, got {topk}, {beam} and {lookup_branches}")
         if lookup_tokens and lookup is None:
             raise ValueError("prompt lookup in a per-step tree needs its measured acceptance (run medusa-heads calibrate)")
         self.heads, self.acceptance, self.cost, self.lookup = heads, acceptance, cost, lookup
         self.lookup_tokens, self.max_ngram, self.min_ngram = lookup_tokens, max_ngram, min_ngram
+        self.branches = lookup_branches
         self.topk, self.beam = min(topk, heads.config.draft_vocab_size), min(beam, cost.max_size)
         self.depth = heads.config.num_heads
         self.repeat = self.depth + 1  # the slot of drafted children that the lookup raised
@@ -124,7 +125,8 @@ class AdaptiveDrafter:
             logits = self.heads.head_logits(d - 1, h.expand(len(frontier), -1), context)  # (F, V')
             probs, ranks = logits.float().softmax(-1).topk(self.topk, dim=-1)  # (F, k)
             ids = self.heads.token_ids(ranks).tolist()
-            rates = self.correction.rates(d, self.acceptance(d, probs))
+            rates = self.correction.rates(d, self._rates(d, logits, probs, [val[i] / max(val[par[i]], 1e-12) if par[i] >= 0 else 1.0
+                                                                            for i in frontier]))
             worth = (torch.tensor([val[i] for i in frontier])[:, None] * rates.cpu()).tolist()
             levels += 1
             level = []
@@ -146,6 +148,11 @@ class AdaptiveDrafter:
         self._drafted.append((list(parents), [1.0] + [val[c] for c in keep], [0] + [slot[c] for c in keep]))
         tokens = torch.tensor([tok[c] for c in keep], dtype=torch.long, device=device)
         return Draft(tokens, from_parents(parents, device))
+
+    def _rates(self, d: int, logits: torch.Tensor, probs: torch.Tensor, parent_rates: list[float]) -> torch.Tensor:
+        """(F, k) calibrated acceptance of the level's candidates given their parents: logits (F, V') of head d
+        over the frontier, probs (F, k) its top-k probabilities, parent_rates each parent's own rate."""
+        return self.acceptance(d, probs)
 
     def _step_ms(self, verify_ms: list[float], levels: int) -> list[float]:
         """The step's milliseconds with 1..max_size tree tokens after `levels` drafting levels."""
@@ -181,13 +188,22 @@ class AdaptiveDrafter:
         independent evidence for the same token: the child's rate becomes 1 - (1 - h)(1 - r) (a noisy OR), within
         the same cap, and its drafted subtree is rescaled with it. Measured on kept nodes (results/round19), such
         children were accepted 0.65 of the time where the larger of h and r rated them 0.53."""
-        found, ngram = lookup_match(sequence, self.lookup_tokens, self.max_ngram, self.min_ngram)
-        rates = self.lookup.chain(ngram, len(found))
         children: dict[int, dict[int, int]] = {}
         for i in range(1, len(tok)):
             children.setdefault(par[i], {})[tok[i]] = i
+        for found, rates in self._continuations(sequence):
+            self._merge_chain(found, rates, tok, par, val, slot, paths, children)
+
+    def _continuations(self, sequence: torch.Tensor) -> list[tuple[list[int], list[float]]]:
+        """The prompt-lookup continuations to merge, each with its tokens' calibrated rates given their parents."""
+        found, ngram = lookup_continuations(sequence, self.lookup_tokens, self.max_ngram, self.min_ngram, self.branches)
+        return [(f.tolist(), self.lookup.chain(ngram, len(f))) for f in found]
+
+    def _merge_chain(self, found: list[int], rates: list[float], tok: list[int], par: list[int], val: list[float],
+                     slot: list[int], paths: list[list[int]], children: dict[int, dict[int, int]]) -> None:
+        """One continuation into the candidates (see _merge_lookup); `children` (parent -> token -> node) grows."""
         node = 0
-        for token, rate in zip(found.tolist(), rates):
+        for token, rate in zip(found, rates):
             rate = self.correction(0, rate)
             siblings, base = children.get(node, {}), val[node]
             room = 1.0  # what the other drafted children leave
@@ -199,6 +215,7 @@ class AdaptiveDrafter:
                 child = len(tok)
                 tok.append(token), par.append(node), val.append(base * rate), slot.append(0)
                 paths.append(paths[node] + [token])
+                children.setdefault(node, {})[token] = child
             elif base > 0.0:
                 heads = val[child] / base
                 both = self.correction(self.repeat, 1.0 - (1.0 - heads) * (1.0 - rate))

@@ -83,14 +83,31 @@ def lookup_match(sequence: torch.Tensor, lookup_tokens: int, max_ngram: int = MA
                  min_ngram: int = MIN_NGRAM) -> tuple[torch.Tensor, int]:
     """Prompt lookup: up to lookup_tokens tokens that followed the latest earlier occurrence of the sequence's last n
     tokens, trying n from max_ngram down to min_ngram; returns (those tokens, n), or (empty, 0) when nothing matches."""
+    found, n = lookup_continuations(sequence, lookup_tokens, max_ngram, min_ngram, branches=1)
+    return (found[0], n) if found else (sequence[:0], 0)
+
+
+def lookup_continuations(sequence: torch.Tensor, lookup_tokens: int, max_ngram: int = MAX_NGRAM,
+                         min_ngram: int = MIN_NGRAM, branches: int = 1) -> tuple[list[torch.Tensor], int]:
+    """Prompt lookup with up to `branches` continuations: the longest n (max_ngram down to min_ngram) whose last n
+    tokens occurred earlier, and what followed its occurrences, latest first, one per distinct first token (a later
+    occurrence that starts like an earlier-listed one adds nothing a tree can branch on). ([], 0): no match."""
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = sequence[:-1].unfold(0, n, 1)  # every n-gram that has a token after it
-        hits = (windows == sequence[-n:]).all(dim=1).nonzero()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return sequence[start : start + lookup_tokens], n
-    return sequence[:0], 0
+        hits = (windows == sequence[-n:]).all(dim=1).nonzero().flatten()
+        if not hits.numel():
+            continue
+        starts = hits.flip(0) + n
+        found, firsts = [], set()
+        for start, first in zip(starts.tolist(), sequence[starts].tolist() if branches > 1 else [None]):
+            if first not in firsts:
+                firsts.add(first)
+                found.append(sequence[start : start + lookup_tokens])
+                if len(found) == branches:
+                    break
+        return found, n
+    return [], 0
 
 
 class LookupDrafter:

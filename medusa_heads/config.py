@@ -26,6 +26,9 @@ class MedusaConfig:
     # generate()'s default prompt_lookup_num_tokens for unbatched generation: up to this many tokens copied from the
     # text so far are merged into the tree (0: heads only); an explicit prompt_lookup_num_tokens (0 too) wins
     lookup_tokens: int = 0
+    # continuations the per-step tree takes from prompt lookup: what followed the latest occurrences of the matched
+    # n-gram, one per distinct next token (1: the latest only, as transformers' prompt lookup)
+    lookup_branches: int = 1
     # The per-step tree's measurements (tree/adaptive.py, written by `medusa-heads calibrate`): "acceptance" (head
     # probability -> acceptance, per depth), "lookup" (prompt lookup's acceptance by n-gram and depth), "cost"
     # (verify milliseconds by kernels, context length and tree size). None: a fixed tree only.
@@ -41,6 +44,8 @@ class MedusaConfig:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
         if self.lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
+        if self.lookup_branches < 1:
+            raise ValueError(f"lookup_branches must be >= 1, got {self.lookup_branches}")
         if self.mlp_size < 0:
             raise ValueError(f"mlp_size must be >= 0, got {self.mlp_size}")
         if self.condition not in CONDITIONS:

@@ -184,7 +184,8 @@ class MedusaModel(nn.Module):
         """A drafter for one call (it learns from the call's own acceptance)."""
         acceptance, table, cost = self._adaptive_config()
         return AdaptiveDrafter(self.heads, acceptance, cost, table, lookup,
-                               max_ngram=ngram, min_ngram=min(ngram, table.ngrams[0]) if table is not None else 1)
+                               max_ngram=ngram, min_ngram=min(ngram, table.ngrams[0]) if table is not None else 1,
+                               lookup_branches=self.config.lookup_branches)
 
     def set_tree(self, tree: str | Sequence[Sequence[int]] | TreeSpec) -> None:
         """A preset name, rank paths or a TreeSpec: that fixed tree at every step. "adaptive": a tree chosen at each

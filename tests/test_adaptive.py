@@ -166,6 +166,30 @@ def test_a_lookup_token_that_repeats_a_drafted_child_raises_it_as_independent_ev
         assert all(val[i] <= val[par[i]] for i in range(1, len(tok)))
 
 
+def test_a_second_lookup_branch_is_a_sibling_worth_what_the_first_leaves():
+    """"5 6 7" was followed by 8 at 0 and by 3 at 5: with two branches or more both continuations (there are no
+    others) hang below the root, the earlier one capped by what the heads' child and the latest leave (1 - 0.5 -
+    0.5: nothing); below a root without drafted children, by what the latest leaves (1 - 0.8)."""
+    base = tiny_model("llama", seed=0)
+    model = calibrated(base, FLAT)
+    sequence = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 3, 4, 5, 6, 7])
+    for branches in (1, 2, 3):
+        model.config.lookup_branches = branches
+        drafter = model._adaptive_drafter(lookup=2, ngram=3)
+        tok, par, val, slot, paths = [7, 12], [-1, 0], [1.0, 0.5], [0, 1], [[7], [7, 12]]
+        drafter._merge_lookup(sequence, tok, par, val, slot, paths)
+        nodes = {tuple(p[1:]): i for i, p in enumerate(paths)}
+        assert val[nodes[(3,)]] == pytest.approx(0.5) and val[nodes[(3, 4)]] == pytest.approx(0.5 * 0.9)  # latest
+        assert ((8,) in nodes) == ((8, 9) in nodes) == (branches > 1) and len(tok) == 4 + 2 * (branches > 1)
+        assert branches == 1 or val[nodes[(8,)]] == 0.0
+    # a root with no drafted children: the second branch gets what the first leaves, 1 - 0.8
+    tok, par, val, slot, paths = [7], [-1], [1.0], [0], [[7]]
+    drafter._merge_lookup(sequence, tok, par, val, slot, paths)
+    nodes = {tuple(p[1:]): i for i, p in enumerate(paths)}
+    assert val[nodes[(3,)]] == pytest.approx(0.8) and val[nodes[(8,)]] == pytest.approx(0.2)
+    assert all(val[i] <= val[par[i]] for i in range(1, len(tok)))
+
+
 def test_raised_children_and_the_lookups_own_tokens_learn_their_corrections_apart():
     """A call whose raised children were all accepted raises them further, not the lookup's own tokens; one whose
     lookup tokens all failed lowers the lookup's rate inside the noisy OR, not the raised children's own shift."""
@@ -242,9 +266,10 @@ def test_adaptive_trees_keep_greedy_output_the_targets(arch):
             motif = torch.randint(0, 96, (5,), generator=torch.Generator().manual_seed(seed))
             ids = torch.cat([motif, motif, motif[:2]])[None]  # repeats itself: the lookup finds continuations
             ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
-            for lookup in (0, 6):
+            for lookup, branches in ((0, 1), (6, 1), (6, 3)):
+                model.config.lookup_branches = branches
                 res = model.generate(ids, max_new_tokens=40, prompt_lookup_num_tokens=lookup, return_dict_in_generate=True)
-                assert torch.equal(res.sequences, ref), f"{arch}, prompt {seed}, lookup {lookup}"
+                assert torch.equal(res.sequences, ref), f"{arch}, prompt {seed}, lookup {lookup}, branches {branches}"
                 sizes += res.stats.tree_sizes
         if cost is STEEP:
             assert set(sizes) == {0}, "a node that costs two plain steps is never worth drafting"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from medusa_heads import MedusaModel
-from medusa_heads.inference.propose import Draft, LookupDrafter, RowDrafter, lookup_match
+from medusa_heads.inference.propose import Draft, LookupDrafter, RowDrafter, lookup_continuations, lookup_match
 from medusa_heads.tree import TreeSpec, build_buffers
 from medusa_heads.tree.buffers import with_chain
 
@@ -25,6 +25,14 @@ def test_lookup_takes_the_latest_occurrence_of_the_longest_matching_ngram():
     assert lookup_match(T([1, 2, 3, 4]), 5)[0].tolist() == []
     assert lookup_match(T([4, 1, 4]), 5, max_ngram=1, min_ngram=1)[0].tolist() == [1, 4]
     assert lookup_match(T([3]), 5, max_ngram=3, min_ngram=1)[0].tolist() == []
+
+
+def test_lookup_branches_follow_earlier_occurrences_that_go_on_differently():
+    seq = T([5, 6, 1, 2, 5, 6, 3, 4, 5, 6, 1, 9, 5, 6])  # [5, 6] at 0, 4, 8: followed by 1, 3, 1
+    found, n = lookup_continuations(seq, 2, max_ngram=3, min_ngram=1, branches=3)
+    assert n == 2 and [f.tolist() for f in found] == [[1, 9], [3, 4]]  # latest first; the second 1 adds nothing
+    assert [f.tolist() for f in lookup_continuations(seq, 2, 3, 1, branches=1)[0]] == [lookup_match(seq, 2, 3, 1)[0].tolist()]
+    assert lookup_continuations(T([1, 2, 3]), 2, 3, 1, branches=2) == ([], 0)
 
 
 def test_a_chain_below_a_node_extends_mask_depth_and_paths_and_leaves_the_heads_buffers():
