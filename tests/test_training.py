@@ -248,6 +248,24 @@ def test_a_truncated_last_line_is_repaired_not_lost(tmp_path):
     assert p.read_text().endswith("\n")
 
 
+def test_gzipped_conversations_read_as_plain_and_a_cut_archive_names_itself(tmp_path):
+    import gzip
+
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "hi\u2028there"}]}, {"id": "b", "messages": []}]
+    plain, packed = tmp_path / "d.jsonl", tmp_path / "d.jsonl.gz"
+    append_conversations(plain, rows)
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_conversations(packed) == read_conversations(plain) == rows
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:-6])
+    with pytest.raises(ValueError, match="cut.jsonl.gz: not a complete gzip file"):
+        read_conversations(cut)
+    torn = tmp_path / "torn.jsonl.gz"
+    torn.write_bytes(gzip.compress(plain.read_bytes() + b'{"id": "c", "mess'))
+    with pytest.raises(ValueError, match="torn.jsonl.gz: last line is truncated .*decompress it to repair it"):
+        read_conversations(torn, repair=True)
+
+
 def test_distill_resumes_after_a_crash_without_loss_or_duplicates(tmp_path, monkeypatch, real_base):
     from medusa_heads.training import distill as distill_mod
     from medusa_heads.training.features import load_segments

@@ -89,17 +89,23 @@ def subsample(rows: list[PromptRow], caps: dict[str, int], seed: int = 0) -> lis
 # ---- distilled conversations (JSONL, append-only, resumable) ----------------------------------------------------
 
 def read_conversations(path: str | os.PathLike, repair: bool = False) -> list[dict]:
-    """Rows {"id", "source", "messages": [{"role", "content"}, ...]}. A truncated last line (a killed writer)
-    is dropped with repair=True (the file is cut back to its last complete line) and is an error otherwise."""
+    """Rows {"id", "source", "messages": [{"role", "content"}, ...]}, from JSONL or gzipped JSONL (.gz: what the
+    repo ships, read-only). A truncated last line (a killed writer) is dropped with repair=True (the file is cut
+    back to its last complete line) and is an error otherwise."""
     path = Path(path)
     if not path.exists():
         return []
-    data = path.read_bytes()
+    compressed = path.suffix == ".gz"
+    try:
+        data = gzip.decompress(path.read_bytes()) if compressed else path.read_bytes()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise ValueError(f"{path}: not a complete gzip file ({e})") from None
     rows = []
     complete = data.rfind(b"\n") + 1
     if complete < len(data):
-        if not repair:
-            raise ValueError(f"{path}: last line is truncated (an interrupted write); rerun distill to repair it")
+        if not repair or compressed:
+            how = "decompress it to repair it" if compressed else "rerun distill to repair it"
+            raise ValueError(f"{path}: last line is truncated (an interrupted write); {how}")
         with path.open("r+b") as f:
             f.truncate(complete)
     # split on "\n" only: str.splitlines() would also split inside strings holding U+2028 and friends
