@@ -98,9 +98,11 @@ def lookup_continuations(sequence: torch.Tensor, lookup_tokens: int, max_ngram: 
         hits = (windows == sequence[-n:]).all(dim=1).nonzero().flatten()
         if not hits.numel():
             continue
+        if branches == 1:  # transformers' prompt lookup: the latest occurrence only
+            return [sequence[int(hits[-1]) + n : int(hits[-1]) + n + lookup_tokens]], n
         starts = hits.flip(0) + n
         found, firsts = [], set()
-        for start, first in zip(starts.tolist(), sequence[starts].tolist() if branches > 1 else [None]):
+        for start, first in zip(starts.tolist(), sequence[starts].tolist()):
             if first not in firsts:
                 firsts.add(first)
                 found.append(sequence[start : start + lookup_tokens])
