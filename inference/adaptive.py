@@ -125,8 +125,7 @@ class AdaptiveDrafter:
             logits = self.heads.head_logits(d - 1, h.expand(len(frontier), -1), context)  # (F, V')
             probs, ranks = logits.float().softmax(-1).topk(self.topk, dim=-1)  # (F, k)
             ids = self.heads.token_ids(ranks).tolist()
-            rates = self.correction.rates(d, self._rates(d, logits, probs, [val[i] / max(val[par[i]], 1e-12) if par[i] >= 0 else 1.0
-                                                                            for i in frontier]))
+            rates = self.correction.rates(d, self._rates(d, logits, probs, frontier, val, par))
             worth = (torch.tensor([val[i] for i in frontier])[:, None] * rates.cpu()).tolist()
             levels += 1
             level = []
@@ -149,9 +148,11 @@ class AdaptiveDrafter:
         tokens = torch.tensor([tok[c] for c in keep], dtype=torch.long, device=device)
         return Draft(tokens, from_parents(parents, device))
 
-    def _rates(self, d: int, logits: torch.Tensor, probs: torch.Tensor, parent_rates: list[float]) -> torch.Tensor:
+    def _rates(self, d: int, logits: torch.Tensor, probs: torch.Tensor, frontier: list[int], val: list[float],
+               par: list[int]) -> torch.Tensor:
         """(F, k) calibrated acceptance of the level's candidates given their parents: logits (F, V') of head d
-        over the frontier, probs (F, k) its top-k probabilities, parent_rates each parent's own rate."""
+        over the frontier's nodes, probs (F, k) its top-k probabilities; the candidates so far (worth, parent) for
+        a subclass that rates by more than the probability (scripts/tree_replay.py)."""
         return self.acceptance(d, probs)
 
     def _step_ms(self, verify_ms: list[float], levels: int) -> list[float]:
@@ -180,10 +181,11 @@ class AdaptiveDrafter:
 
     def _merge_lookup(self, sequence: torch.Tensor, tok: list[int], par: list[int], val: list[float],
                       slot: list[int], paths: list[list[int]]) -> None:
-        """The lookup continuation walks the drafted candidates while it repeats them, then hangs below as new
-        candidates. Each token's rate given its parent, r, is the lookup's calibrated rate, capped by what the
-        parent's other drafted children leave (1 - the sum of their rates: the target takes one token, so a
-        continuation that the heads contradict is worth little however long its n-gram). A new candidate is worth
+        """Each lookup continuation (lookup_branches of them, latest first) walks the drafted candidates while it
+        repeats them, then hangs below as new candidates. Each token's rate given its parent, r, is the lookup's
+        calibrated rate, capped by what the parent's other children leave (1 - the sum of their rates: the target
+        takes one token, so a continuation that the heads or an earlier continuation contradict is worth little
+        however long its n-gram). A new candidate is worth
         its parent's worth times r. Where the token repeats a drafted child that the heads rate h, the two are
         independent evidence for the same token: the child's rate becomes 1 - (1 - h)(1 - r) (a noisy OR), within
         the same cap, and its drafted subtree is rescaled with it. Measured on kept nodes (results/round19), such

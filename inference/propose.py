@@ -99,7 +99,8 @@ def lookup_continuations(sequence: torch.Tensor, lookup_tokens: int, max_ngram: 
         if not hits.numel():
             continue
         if branches == 1:  # transformers' prompt lookup: the latest occurrence only
-            return [sequence[int(hits[-1]) + n : int(hits[-1]) + n + lookup_tokens]], n
+            start = int(hits[-1]) + n
+            return [sequence[start : start + lookup_tokens]], n
         starts = hits.flip(0) + n
         found, firsts = [], set()
         for start, first in zip(starts.tolist(), sequence[starts].tolist()):

@@ -51,8 +51,9 @@ class Replay(AdaptiveDrafter):
 
     score: dict | None = None
 
-    def _rates(self, d, logits, probs, parent_rates):
-        calibrated = super()._rates(d, logits, probs, parent_rates)
+    def _rates(self, d, logits, probs, frontier, val, par):
+        calibrated = super()._rates(d, logits, probs, frontier, val, par)
+        parent_rates = [val[i] / max(val[par[i]], 1e-12) if par[i] >= 0 else 1.0 for i in frontier]
         logp = logits.float().log_softmax(-1)
         entropy = -(logp.exp() * logp).sum(-1, keepdim=True).expand_as(probs)
         k = probs.shape[1]
