@@ -78,6 +78,20 @@ def test_the_steps_fit_keeps_the_kernels_row_blocks_and_smooths_noise_into_no_fr
     assert line[5] - line[0] > 2.0  # the line charges 6 tokens more than a plain step
 
 
+def test_the_measured_fit_charges_each_size_its_own_time_and_a_tree_grows_to_a_cheaper_size():
+    # MKL's fp32 GEMM on an AVX-512 EPYC, 256 cached tokens (results/round22): 3 and 7 rows cost more than 4 and 8
+    ms = (61.0, 102.0, 127.0, 89.0, 92.0, 104.0, 124.0, 96.0)
+    cost = CostModel(contexts=(256, 1024), sizes=tuple(range(1, 9)), ms=(ms, tuple(m + 10 for m in ms)), fit="measured")
+    assert cost.verify_ms(256).tolist() == pytest.approx(ms)
+    assert cost.verify_ms(640).tolist() == pytest.approx([m + 5 for m in ms])  # contexts still interpolate
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    values = torch.tensor([0.9, 0.8, 0.05, 0.02, 0.01, 0.01, 0.01])
+    # 2 drafted nodes would be 2.7 tokens in 127 ms; a third, worth only 0.05, makes it 2.75 in 89 ms
+    assert best_size(values, cost.verify_ms(256)) == 3
+    steps = CostModel(contexts=(256,), sizes=tuple(range(1, 9)), ms=(ms,)).verify_ms(256)
+    assert steps[2] == pytest.approx(steps[3])  # smoothed, a 3-token tree is charged what a 4-token one costs
+
+
 def test_a_plain_step_dearer_than_a_small_tree_is_charged_its_own_time_and_never_chosen():
     # bf16 on this CPU at 4K cached tokens (results/bf16/one_token.md): one token costs more than two
     ms = (122.4, 73.6, 83.5, 77.6, 71.6, 74.4, 97.9)

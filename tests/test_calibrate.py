@@ -164,7 +164,7 @@ def test_answer_spans_cut_at_the_end_of_turn():
 def test_cost_model_measured_stored_and_merged_by_kernels():
     model = MedusaModel.from_pretrained(tiny_model("llama"), heads=None, condition="path")
     cost = measure_cost(model.target, model.heads, sizes=(1, 2, 3, 5), contexts=(8, 24), repeats=1, topk=4, overhead_ms=3.0)
-    assert cost.contexts == (8, 24) and cost.sizes == (1, 2, 3, 5) and cost.overhead_ms == 3.0
+    assert cost.contexts == (8, 24) and cost.sizes == (1, 2, 3, 5) and cost.overhead_ms == 3.0 and cost.fit == "measured"
     assert all(x > 0 for row in cost.ms for x in row) and cost.draft_ms > 0
     assert cost.verify_ms(16).shape == (5,)
     assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost

@@ -86,7 +86,7 @@ class LookupAcceptance:
         return cls(tuple(d["ngrams"]), tuple(tuple(r) for r in d["rates"]))
 
 
-FITS = ("steps", "line")
+FITS = ("measured", "steps", "line")
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,14 @@ class CostModel:
     the verify forward over n tree tokens (n = 1 is a plain decoding step), interpolated between the measured
     sizes and context lengths, plus drafting (per head level run) and fixed per-step work.
 
-    `fit` smooths each context's timings over the sizes, since single timings are noisy (+-10%) and noise that makes
-    some large trees look free biases the choice towards them:
+    `fit` says how each context's timings are read over the sizes:
+    - "measured": as they are, every size its own (calibrate measures every size from 1 to 32, 15 times each).
+      GEMM kernels work on blocks of rows, and where a block is cheap the cost is not monotone in the size: MKL's
+      fp32 GEMM on an AVX-512 EPYC takes 3, 7 and 11 rows at ~1.35x the time of 4, 8 and 12, and oneDNN's packed
+      product takes 2 rows at ~1.15x the time of 3 to 6. best_size weighs every size, so where a larger tree costs
+      less it takes the next candidates for free; a fit would charge both sizes a smoothed average.
+    The two fits below smooth the timings (heads calibrated before "measured"), since a few timings per size are
+    noisy (+-10%) and noise that makes some large trees look free biases the choice towards them:
     - "steps": over trees of 2 tokens and more, the closest non-decreasing function (isotonic). CPU GEMM kernels
       work on blocks of rows (about 6 in fp32), so a verify costs about the same from 2 to 6 tokens and jumps at 7;
       a line hides those steps and charges 6 tokens like 7. The plain step (1 token) keeps its own timing: it runs
@@ -144,6 +150,9 @@ class CostModel:
         n = torch.arange(1, self.max_size + 1, dtype=torch.float64)
         rows = []
         for row in torch.tensor(self.ms, dtype=torch.float64):
+            if self.fit == "measured":
+                rows.append(_interp(n, sizes, row))
+                continue
             if self.fit == "steps":
                 trees = isotonic(row[1:].tolist(), [1.0] * (len(self.sizes) - 1))  # the plain step stays apart
                 rows.append(_interp(n, sizes, torch.tensor([float(row[0]), *trees], dtype=torch.float64)))

@@ -22,7 +22,7 @@ class Settings:
     max_nodes: int = 64  # largest fixed tree considered
     topk: int = 10  # candidates per head when measuring rank accuracies (the fixed tree)
     context: int = 300  # cached tokens when timing the verify pass (the fixed tree)
-    repeats: int = 5  # timed forwards per size (the median is used)
+    repeats: int = 15  # timed forwards per size (the median is used; the cost model reads every size as measured)
     overhead_ms: float = 3.0  # per-step Python work besides heads and verify
     accept_topk: int = 8  # candidates per head in the acceptance calibration, per parent when timing a level
     lookup_tokens: int = 10  # prompt-lookup continuation length measured
