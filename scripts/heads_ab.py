@@ -29,6 +29,8 @@ from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.training.data import read_prompts
 from common import emit  # scripts/common.py: this script's folder is on the path
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,6 +43,8 @@ def main() -> None:
                    help="sample at T 0.7, top-p 0.9 (each contender seeded alike per prompt) instead of greedy")
     p.add_argument("--no-prepack", action="store_true",
                    help="the stock kernels (a model the user loaded): the heads draft with their stock cost model")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the target's dtype (bf16: greedy outputs may leave generate's at near-ties, as any bf16 verify)")
     p.add_argument("--batch-hints", nargs="+", type=int, default=None,
                    help="one per heads directory: each runs on a copy of the target prepacked for that many rows, "
                         "against generate on that copy (the heads' cost model should be measured there)")
@@ -56,7 +60,7 @@ def main() -> None:
     hints = args.batch_hints or [None] * len(args.heads)
     bases = {}  # hint -> the target prepacked for it (None: one target, as load_base packs it), shared by its heads
     for hint in dict.fromkeys(hints):
-        bases[hint] = load_base(args.model, prepack=not args.no_prepack and hint is None)
+        bases[hint] = load_base(args.model, dtype=DTYPES[args.dtype], prepack=not args.no_prepack and hint is None)
         if hint is not None:
             prepack_linears(bases[hint], batch_hint=hint)
     models = {name: MedusaModel.from_pretrained(bases[hint], heads=name) for name, hint in zip(args.heads, hints)}
@@ -101,7 +105,7 @@ def main() -> None:
 
     names = [chr(ord("A") + i) for i in range(len(args.heads))]
     lines = [f"Heads {'; '.join(f'{n} = `{h}`' for n, h in zip(names, args.heads))}; {len(rows)} prompts "
-             f"({', '.join(args.prompts)}), {'sampled at T 0.7, top-p 0.9' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {'stock' if args.no_prepack else 'prepacked'} kernels, {args.threads} threads, one process, "
+             f"({', '.join(args.prompts)}), {'sampled at T 0.7, top-p 0.9' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {'stock' if args.no_prepack else 'prepacked'} {args.dtype} kernels, {args.threads} threads, one process, "
              f"{' / '.join(generates.values())} / {' / '.join(names)} alternating per prompt"
              + (f"; {', '.join(f'{n} on the {h}-row packing' for n, h in zip(names, hints))}, each against its own generate." if args.batch_hints else "."), ""]
     head = ["prompts"] + [f"{n} {c}" for n in names for c in ("speed-up", "tau")]
