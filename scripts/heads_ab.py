@@ -24,12 +24,11 @@ import torch
 from tqdm import tqdm
 
 from medusa_heads import MedusaModel, prompt_ids
+from medusa_heads.cli.commands import DTYPES
 from medusa_heads.inference.prepack import prepack_linears
 from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.training.data import read_prompts
 from common import emit  # scripts/common.py: this script's folder is on the path
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def main() -> None:
@@ -43,7 +42,7 @@ def main() -> None:
                    help="sample at T 0.7, top-p 0.9 (each contender seeded alike per prompt) instead of greedy")
     p.add_argument("--no-prepack", action="store_true",
                    help="the stock kernels (a model the user loaded): the heads draft with their stock cost model")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="the target's dtype (bf16: greedy outputs may leave generate's at near-ties, as any bf16 verify)")
     p.add_argument("--batch-hints", nargs="+", type=int, default=None,
                    help="one per heads directory: each runs on a copy of the target prepacked for that many rows, "
@@ -60,7 +59,7 @@ def main() -> None:
     hints = args.batch_hints or [None] * len(args.heads)
     bases = {}  # hint -> the target prepacked for it (None: one target, as load_base packs it), shared by its heads
     for hint in dict.fromkeys(hints):
-        bases[hint] = load_base(args.model, dtype=DTYPES[args.dtype], prepack=not args.no_prepack and hint is None)
+        bases[hint] = load_base(args.model, dtype=getattr(torch, DTYPES[args.dtype]), prepack=not args.no_prepack and hint is None)
         if hint is not None:
             prepack_linears(bases[hint], batch_hint=hint)
     models = {name: MedusaModel.from_pretrained(bases[hint], heads=name) for name, hint in zip(args.heads, hints)}

@@ -82,7 +82,8 @@ def main() -> None:
     model = load_base(args.model)
     opening = tokenizer(user_turn_opening(tokenizer), return_tensors="pt", add_special_tokens=False).input_ids
     stop = set(eos_ids(model.generation_config, tokenizer))
-    tried = json.loads(out.with_suffix(".state").read_text())["batches"] if out.with_suffix(".state").exists() else 0
+    state = out.with_suffix(".state")  # batches sampled so far: batch i is sampled with seed + i
+    tried = json.loads(state.read_text())["batches"] if state.exists() else 0
     bar = tqdm(total=args.count, initial=min(len(rows), args.count), desc="prompts", unit="prompt")
     while len(rows) < args.count:
         torch.manual_seed(args.seed + tried)
@@ -106,7 +107,7 @@ def main() -> None:
             for row in new[: args.count - len(rows)]:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         rows += new[: args.count - len(rows)]
-        out.with_suffix(".state").write_text(json.dumps({"batches": tried}))
+        state.write_text(json.dumps({"batches": tried}))
         bar.update(min(len(new), args.count - bar.n))
     bar.close()
     print(f"{len(rows)} prompts in {out} ({tried} batches of {args.batch_size} sampled)")
