@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exclude", nargs="*", default=["data/bench_prompts.jsonl", "data/bench_prompts_new.jsonl",
-                                                    "data/bench_prompts_long.jsonl"])
+                                                    "data/bench_prompts_long.jsonl", "data/bench_prompts_fresh.jsonl"])
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:
