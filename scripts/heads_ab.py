@@ -11,7 +11,7 @@ that many rows, against generate on that same copy; "B / A" then compares the tw
     python scripts/heads_ab.py --heads medusa_heads/default_heads runs/heads-h16 --batch-hints 8 16 \
         --prompts data/bench_prompts.jsonl --out results/kernels/ab.md
 
-Prints, per category and overall, tokens/s of each as a ratio to generate and to the first heads (A), tau, and how
+Prints, per category, per prompt file ("<file>: all") and overall, tokens/s of each as a ratio to generate and to the first heads (A), tau, and how
 many outputs equal generate's; writes the same table as Markdown to --out."""
 from __future__ import annotations
 
@@ -91,14 +91,14 @@ def main() -> None:
             seq, tau = run(who, ids, seed=i)
             dt = time.perf_counter() - t0
             outs[who] = seq
-            for key in ("overall", f"{stem}: {row.category or 'uncategorised'}"):
+            for key in ("overall", f"{stem}: all", f"{stem}: {row.category or 'uncategorised'}"):
                 a = acc[(key, who)]
                 a["seconds"] += dt
                 a["tokens"] += seq.shape[1] - ids.shape[1]
                 if tau is not None:
                     a["taus"].append(tau)
         for who in args.heads:
-            for key in ("overall", f"{stem}: {row.category or 'uncategorised'}"):
+            for key in ("overall", f"{stem}: all", f"{stem}: {row.category or 'uncategorised'}"):
                 acc[(key, who)]["same"] += int(torch.equal(outs[who], outs[baseline[who]]))
                 acc[(key, who)]["prompts"] += 1
 

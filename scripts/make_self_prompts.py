@@ -15,6 +15,7 @@ markers, it is new (case- and space-normalised), and it shares no 13-word n-gram
 from __future__ import annotations
 
 import argparse
+import glob
 import gzip
 import hashlib
 import json
@@ -67,8 +68,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--exclude", nargs="*", default=["data/bench_prompts.jsonl", "data/bench_prompts_new.jsonl",
-                                                    "data/bench_prompts_long.jsonl", "data/bench_prompts_fresh.jsonl"])
+    p.add_argument("--exclude", nargs="*", default=sorted(glob.glob("data/bench_prompts*.jsonl")),
+                   help="prompt files to share no 13-word n-gram with (default: every bench prompt file)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:
