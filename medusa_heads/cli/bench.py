@@ -134,6 +134,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
 
     acc = defaultdict(lambda: defaultdict(lambda: {"seconds": 0.0, "tokens": 0, "forwards": 0, "mismatches": 0, "peak_mb": 0.0}))
     profile = defaultdict(float)
+    verify_sizes = defaultdict(lambda: [0, 0])  # medusa's tree tokens verified at a step -> [steps, new tokens]
     for i, row in enumerate(tqdm(rows, desc="bench", unit="prompt")):
         messages = []
         for turn in row.turns:
@@ -165,6 +166,9 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                         profile[k] += v
                     profile["total"] += dt
                     profile["steps"] += stats.steps
+                    for drafted, emitted in zip(stats.tree_sizes, stats.tokens_per_step[1:]):  # [0]: the prefill
+                        verify_sizes[drafted + 1][0] += 1
+                        verify_sizes[drafted + 1][1] += emitted
             for m in methods:
                 if sampling is None and not torch.equal(outs[m], outs["hf"]):
                     for cat in ("overall", row.category or "uncategorised"):
@@ -221,6 +225,10 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         parts = {k: v / total for k, v in profile.items()}
         parts["python/other"] = 1.0 - sum(parts.values())
         result["profile"] = {"share_of_time": parts, "ms_per_step": {k: 1000 * v / steps for k, v in profile.items()}}
+    if verify_sizes:  # what the per-step tree chose, and what each size yielded (prefill forwards not counted)
+        total = sum(n for n, _ in verify_sizes.values())
+        result["verify_sizes"] = {size: {"steps": n, "share": n / total, "tokens_per_step": emitted / n}
+                                  for size, (n, emitted) in sorted(verify_sizes.items())}
     return result
 
 
@@ -263,6 +271,9 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     if "profile" in result:
         lines += ["", "Per-step profile of `medusa` (share of wall time): "
                   + ", ".join(f"{k} {v:.1%}" for k, v in result["profile"]["share_of_time"].items())]
+    if result.get("verify_sizes"):
+        lines += ["", "Tree tokens verified per step by `medusa` (root included; share of steps, new tokens per step): "
+                  + ", ".join(f"{size}: {v['share']:.1%}, {v['tokens_per_step']:.2f}" for size, v in result["verify_sizes"].items())]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
     import matplotlib
