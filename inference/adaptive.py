@@ -5,7 +5,9 @@ like Sequoia's trees by a measured cost model).
    child is worth its parent's worth times its calibrated acceptance (tree/adaptive.Acceptance).
 2. Lookup: a prompt-lookup continuation walks the same candidates; where it repeats a drafted child, that child is
    one node, its rate raised by the lookup's (a noisy OR of the two); the rest hangs below as a chain at the
-   lookup's own rates. A lookup token never gets more than its node's other drafted children leave.
+   lookup's own rates. A lookup token never gets more than its node's other drafted children leave. The target's
+   phrasebook (tree/ngrams.py: what followed the text's last n-gram most often in its own answers) is merged
+   the same way, at its own calibrated rates.
 3. Select: worth never grows down a path, so the n most valuable candidates are prefix-closed; keep the n (0: a
    plain step) that maximises expected tokens per millisecond under the stored cost model.
 4. Learn: after the verify, observed acceptance corrects the calibration for the rest of this call.
@@ -22,6 +24,7 @@ import torch
 from medusa_heads.heads import MedusaHeads
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
+from medusa_heads.tree.ngrams import NgramStore
 from medusa_heads.inference.propose import MAX_NGRAM, Draft, lookup_continuations
 
 PRIOR = 4.0  # the stored calibration counts as this many observations at p = 1/2 against a call's own acceptance
@@ -85,25 +88,32 @@ class AdaptiveDrafter:
     """Drafts a tree chosen for this step (see the module's docstring); one per generate call (it learns).
 
     Each node's rate is corrected online by the acceptance of its source (its slot): 0, prompt lookup's own tokens;
-    d in 1..depth, head d; depth + 1, a drafted child that the lookup repeated and raised. The raised children are
+    d in 1..depth, head d; depth + 1, a drafted child that the lookup (or the phrasebook) repeated and raised;
+    depth + 2, the phrasebook's own tokens. The raised children are
     apart from the lookup's own tokens because their errors have opposite signs: on kept nodes (results/round19)
     the noisy OR rated them 0.62 and they were accepted 0.70 of the time, while the lookup's chains past the heads
     were rated 0.88 and accepted 0.85; pooled, the first pushed the second's rates up to 1."""
 
     def __init__(self, heads: MedusaHeads, acceptance: Acceptance, cost: CostModel,
                  lookup: LookupAcceptance | None = None, lookup_tokens: int = 0, max_ngram: int = MAX_NGRAM,
-                 min_ngram: int = 1, topk: int = 4, beam: int = 4, lookup_branches: int = 1) -> None:
+                 min_ngram: int = 1, topk: int = 4, beam: int = 4, lookup_branches: int = 1,
+                 phrases: NgramStore | None = None, phrase_acceptance: Acceptance | None = None) -> None:
         if topk < 1 or beam < 1 or lookup_branches < 1:
             raise ValueError(f"topk, beam and lookup_branches must be >= 1, got {topk}, {beam} and {lookup_branches}")
         if lookup_tokens and lookup is None:
             raise ValueError("prompt lookup in a per-step tree needs its measured acceptance (run medusa-heads calibrate)")
+        if (phrases is None) != (phrase_acceptance is None):
+            raise ValueError("an n-gram store drafts only with its measured acceptance, and the other way round "
+                             "(medusa-heads calibrate --parts ngrams makes both)")
+        self.phrases, self.phrase_acceptance = phrases, phrase_acceptance
         self.heads, self.acceptance, self.cost, self.lookup = heads, acceptance, cost, lookup
         self.lookup_tokens, self.max_ngram, self.min_ngram = lookup_tokens, max_ngram, min_ngram
         self.branches = lookup_branches
         self.topk, self.beam = min(topk, heads.config.draft_vocab_size), min(beam, cost.max_size)
         self.depth = heads.config.num_heads
         self.repeat = self.depth + 1  # the slot of drafted children that the lookup raised
-        self.correction = Correction(self.depth + 2)
+        self.phrase_slot = self.depth + 2  # the phrasebook's own tokens
+        self.correction = Correction(self.depth + 3)
         self._top_rate = acceptance.table().max(dim=1).values.tolist()  # per depth: the most a node can be accepted
         self._drafted: list[tuple[list[int], list[float], list[int]]] = []  # per row: parents, worth, slot
 
@@ -135,7 +145,7 @@ class AdaptiveDrafter:
                     tok.append(ids[f][j]), par.append(parent), val.append(worth[f][j]), slot.append(d)
                     paths.append(paths[parent] + [ids[f][j]])
             frontier = sorted(level, key=lambda i: -val[i])[: self.beam]
-        if self.lookup_tokens:
+        if self.lookup_tokens or self.phrases is not None:
             self._merge_lookup(sequence, tok, par, val, slot, paths)
 
         order = sorted(range(1, len(tok)), key=lambda i: (-val[i], len(paths[i])))[: self.cost.max_size - 1]
@@ -193,20 +203,31 @@ class AdaptiveDrafter:
         children: dict[int, dict[int, int]] = {}
         for i in range(1, len(tok)):
             children.setdefault(par[i], {})[tok[i]] = i
-        for found, rates in self._continuations(sequence):
-            self._merge_chain(found, rates, tok, par, val, slot, paths, children)
+        for found, rates, source in self._continuations(sequence):
+            self._merge_chain(found, rates, tok, par, val, slot, paths, children, source)
 
-    def _continuations(self, sequence: torch.Tensor) -> list[tuple[list[int], list[float]]]:
-        """The prompt-lookup continuations to merge, each with its tokens' calibrated rates given their parents."""
-        found, ngram = lookup_continuations(sequence, self.lookup_tokens, self.max_ngram, self.min_ngram, self.branches)
-        return [(f.tolist(), self.lookup.chain(ngram, len(f))) for f in found]
+    def _continuations(self, sequence: torch.Tensor) -> list[tuple[list[int], list[float], int]]:
+        """The continuations to merge, each with its tokens' calibrated rates given their parents and its slot:
+        prompt lookup's, then the phrasebook's (its j-th token rated at depth j by its confidence)."""
+        out = []
+        if self.lookup_tokens:
+            found, ngram = lookup_continuations(sequence, self.lookup_tokens, self.max_ngram, self.min_ngram, self.branches)
+            out += [(f.tolist(), self.lookup.chain(ngram, len(f)), 0) for f in found]
+        if self.phrases is not None:
+            found, confidence = self.phrases.chain(sequence[-self.phrases.max_n:].tolist(), self.phrase_acceptance.depth)
+            if found:
+                rates = [self.phrase_acceptance.rate(j, c) for j, c in enumerate(confidence, 1)]
+                out.append((found, rates, self.phrase_slot))
+        return out
 
     def _merge_chain(self, found: list[int], rates: list[float], tok: list[int], par: list[int], val: list[float],
-                     slot: list[int], paths: list[list[int]], children: dict[int, dict[int, int]]) -> None:
-        """One continuation into the candidates (see _merge_lookup); `children` (parent -> token -> node) grows."""
+                     slot: list[int], paths: list[list[int]], children: dict[int, dict[int, int]],
+                     source: int = 0) -> None:
+        """One continuation into the candidates (see _merge_lookup); `children` (parent -> token -> node) grows. Its
+        new nodes are corrected online as slot `source` (0: prompt lookup)."""
         node = 0
         for token, rate in zip(found, rates):
-            rate = self.correction(0, rate)
+            rate = self.correction(source, rate)
             siblings, base = children.get(node, {}), val[node]
             room = 1.0  # what the other drafted children leave
             if siblings and base > 0.0:
@@ -215,7 +236,7 @@ class AdaptiveDrafter:
             child = siblings.get(token)
             if child is None:
                 child = len(tok)
-                tok.append(token), par.append(node), val.append(base * rate), slot.append(0)
+                tok.append(token), par.append(node), val.append(base * rate), slot.append(source)
                 paths.append(paths[node] + [token])
                 children.setdefault(node, {})[token] = child
             elif base > 0.0:

@@ -1,4 +1,5 @@
-"""The one save/load path for heads: config.json + heads.safetensors, strict keys and shapes."""
+"""The one save/load path for heads: config.json + heads.safetensors, strict keys and shapes; and the target's
+phrasebook beside them where calibrated (ngrams.safetensors, tree/ngrams.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -8,14 +9,17 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from medusa_heads.config import MedusaConfig
 from medusa_heads.heads import MedusaHeads
+from medusa_heads.tree.ngrams import NgramStore
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "heads.safetensors"
+NGRAMS_NAME = "ngrams.safetensors"
 
 
 def base_fingerprint(base: PreTrainedModel) -> dict:
@@ -90,6 +94,32 @@ def save_heads(directory: str | os.PathLike, heads: MedusaHeads, config: MedusaC
 def save_config(directory: str | os.PathLike, config: MedusaConfig) -> None:
     """Rewrite a heads directory's config.json atomically (e.g. after calibration chose its tree)."""
     _atomic_write(Path(directory) / CONFIG_NAME, config.save)
+
+
+def save_ngrams(directory: str | os.PathLike, store: NgramStore) -> Path:
+    """Write the n-gram store beside the heads (atomically)."""
+    path = Path(directory) / NGRAMS_NAME
+    tensors = {k: v.contiguous() for k, v in store.tensors().items()}
+    _atomic_write(path, lambda p: save_file(tensors, p, metadata={"format": "medusa-heads-ngrams", **store.metadata()}))
+    return path
+
+
+def load_ngrams(directory: str | os.PathLike, vocab_size: int | None = None) -> NgramStore | None:
+    """The n-gram store beside the heads, or None where there is none. Loads safetensors only; a store made for
+    another vocabulary is refused."""
+    path = Path(directory) / NGRAMS_NAME
+    if not path.is_file():
+        return None
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        store = NgramStore.from_tensors(tensors, metadata)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if vocab_size is not None and store.vocab_size != vocab_size:
+        raise ValueError(f"{path}: n-gram store for a vocabulary of {store.vocab_size}, the heads have {vocab_size}")
+    return store
 
 
 def load_config(directory: str | os.PathLike) -> MedusaConfig:

@@ -12,7 +12,8 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
 from medusa_heads.checkpoint import (
-    base_fingerprint, check_fingerprint, is_reference_dir, load_config, load_heads, load_reference, save_heads,
+    base_fingerprint, check_fingerprint, is_reference_dir, load_config, load_heads, load_ngrams, load_reference,
+    save_heads, save_ngrams,
 )
 from medusa_heads.config import MedusaConfig
 from medusa_heads.heads import MedusaHeads
@@ -30,6 +31,7 @@ from medusa_heads import prompting
 from medusa_heads.loading import load_base
 from medusa_heads.tree import TreeSpec, build_buffers, load_tree
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, cost_key, find_cost, kernels_key
+from medusa_heads.tree.ngrams import NgramStore
 
 ADAPTIVE = "adaptive"  # tree= for a tree chosen at every step
 
@@ -51,11 +53,12 @@ class MedusaGenerateOutput:
 
 class MedusaModel(nn.Module):
     def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads,
-                 tree: str | Sequence[Sequence[int]] | TreeSpec | None = None) -> None:
+                 tree: str | Sequence[Sequence[int]] | TreeSpec | None = None, phrases: NgramStore | None = None) -> None:
         super().__init__()
         self.base_model = base_model
         self.heads = heads
         self.config = heads.config
+        self.phrases = phrases  # the target's phrasebook (tree/ngrams.py): drafts beside the heads where calibrated
         self.target = Target(base_model)
         check_tree_attention(self.target)
         self._adaptive_parts = None  # (kernels key, config.adaptive, its parsed parts) last asked about
@@ -150,6 +153,7 @@ class MedusaModel(nn.Module):
         lm_weight = base.get_output_embeddings().weight
         embed_weight = base.get_input_embeddings().weight
 
+        phrases = None  # the phrasebook saved beside loaded heads (ngrams.safetensors), if any
         if heads is None:
             config = MedusaConfig(
                 num_heads=num_heads,
@@ -167,25 +171,36 @@ class MedusaModel(nn.Module):
             medusa_heads = load_reference(heads, lm_weight)
         else:
             medusa_heads = load_heads(heads, lm_weight, config, embed_weight)
+            phrases = load_ngrams(heads, config.vocab_size)
         medusa_heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
         if heads is not None:  # trained heads draft in their own dtype, through oneDNN on a CPU (new heads train)
             medusa_heads.cast(draft_dtype or _draft_dtype(lm_weight))
             if lm_weight.device.type == "cpu" and prepack_supported():
                 prepack_heads(medusa_heads)
-        return cls(base, medusa_heads, tree)
+        return cls(base, medusa_heads, tree, phrases)
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Heads only: config.json + heads.safetensors, in the heads' dtype now (loaded heads draft in bf16 on a
-        CPU unless from_pretrained was given draft_dtype)."""
+        CPU unless from_pretrained was given draft_dtype), and the phrasebook where there is one."""
         self.config.tree = self.tree.to_list()
-        return save_heads(directory, self.heads, self.config)
+        out = save_heads(directory, self.heads, self.config)
+        if self.phrases is not None:
+            save_ngrams(out, self.phrases)
+        return out
 
     def _adaptive_drafter(self, lookup: int, ngram: int) -> AdaptiveDrafter:
         """A drafter for one call (it learns from the call's own acceptance)."""
         acceptance, table, cost = self._adaptive_config()
+        phrases = self.phrasebook()
         return AdaptiveDrafter(self.heads, acceptance, cost, table, lookup,
                                max_ngram=ngram, min_ngram=min(ngram, table.ngrams[0]) if table is not None else 1,
-                               lookup_branches=self.config.lookup_branches)
+                               lookup_branches=self.config.lookup_branches, phrases=phrases,
+                               phrase_acceptance=Acceptance.from_dict(self.config.adaptive["ngrams"]) if phrases else None)
+
+    def phrasebook(self) -> NgramStore | None:
+        """The phrasebook that drafts in the per-step tree (unbatched): the store, where its acceptance was
+        calibrated (medusa-heads calibrate --parts ngrams); else None."""
+        return self.phrases if "ngrams" in (self.config.adaptive or {}) else None
 
     def set_tree(self, tree: str | Sequence[Sequence[int]] | TreeSpec) -> None:
         """A preset name, rank paths or a TreeSpec: that fixed tree at every step. "adaptive": a tree chosen at each

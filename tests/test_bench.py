@@ -58,6 +58,9 @@ def test_bench_methods_are_checked_and_labelled():
     assert method_label("medusa+pld0", heads_lookup=10) == "medusa+pld0 (heads only)"
     assert method_label("medusa-static+pld", heads_lookup=0) == "medusa-static+pld (heads + lookup 10)"
     assert method_label("pld", heads_lookup=0) == "pld (lookup 10)"
+    assert method_label("medusa", heads_lookup=10, phrasebook=True) == "medusa (heads + phrasebook + lookup 10)"
+    assert method_label("medusa+pld0", heads_lookup=10, phrasebook=True) == "medusa+pld0 (heads + phrasebook only)"
+    assert method_label("medusa-static", heads_lookup=10, phrasebook=True) == "medusa-static (heads + lookup 10)"
 
 
 def test_calibration_picks_a_tree_from_measured_latency():

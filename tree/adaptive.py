@@ -51,6 +51,11 @@ class Acceptance:
         bins = torch.bucketize(probs.float().cpu(), edges, right=True)
         return rates[min(depth, self.depth) - 1][bins].to(probs.device)
 
+    def rate(self, depth: int, prob: float) -> float:
+        """One probability's acceptance, in plain Python (a handful per step cost less than a tensor call)."""
+        b = min(bisect.bisect_right(self.edges, prob) - 1, len(self.edges) - 2)
+        return self.rates[min(depth, self.depth) - 1][max(b, 0)]
+
     def to_dict(self) -> dict:
         return {"edges": list(self.edges), "rates": [list(r) for r in self.rates]}
 

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from medusa_heads.calibration import measure, report
-from medusa_heads.checkpoint import save_config
+from medusa_heads.checkpoint import save_config, save_ngrams
 from medusa_heads.inference.prepack import is_prepacked
 from medusa_heads.tree.adaptive import cost_key
 from medusa_heads.tree.calibrate import rank_paths
+from medusa_heads.tree.ngrams import NgramStore
 
 PARTS = measure.PARTS
 
@@ -31,11 +32,13 @@ class Settings:
 
 def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], conversations: list[dict],
               features: str | os.PathLike, settings: Settings = Settings(), report_dir: str | os.PathLike | None = None,
-              log=print) -> None:
+              log=print, phrase_data: tuple[list[dict], list[dict]] | None = None) -> None:
     """Measure `parts` (PARTS) for `model` (a MedusaModel with the heads of heads_dir) on the held-out
     `conversations` and this machine, and write into heads_dir's config: the fixed tree that maximises predicted
     tokens/s ("tree"), and what the per-step tree runs on (config.adaptive): calibrated acceptance ("acceptance"),
-    prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost")."""
+    prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost"); and the target's
+    phrasebook ("ngrams", tree/ngrams.py) from phrase_data = (conversations it learns, held-out ones): a store of
+    the first, written beside the heads (ngrams.safetensors), its acceptance measured on the second."""
     from medusa_heads.training.features import load_segments
 
     unknown = set(parts) - set(PARTS)
@@ -69,7 +72,7 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
             "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * best["draft_s"],
             "overhead_ms": s.overhead_ms, "held_out_positions": len(ranks),
         }
-    acceptance = lookup = cost = None
+    acceptance = lookup = cost = phrases = None
     if "acceptance" in parts:
         samples = measure.candidate_samples(model.heads, held_out, topk=s.accept_topk)
         acceptance, details["acceptance"] = measure.calibrate_acceptance(samples)
@@ -88,8 +91,22 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         details["cost"] = {key: {"threads": torch.get_num_threads(), "repeats": s.repeats, "parents": 4,
                                  "topk": s.accept_topk, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}}
         log(report.cost_table(*cost))
-    if acceptance or lookup or cost:
-        config.adaptive = measure.merge_adaptive(config.adaptive, acceptance, lookup, cost)
+    if "ngrams" in parts:
+        if not phrase_data or not phrase_data[0] or not phrase_data[1]:
+            raise ValueError("the phrasebook needs distilled conversations to learn and held-out ones to measure on")
+        learn, held = phrase_data  # held: the heads' held-out prompts, which a bench draws on: never learned
+        store = NgramStore.build(measure.tokenized_answers(tokenizer, learn), config.vocab_size)
+        fit = [c for c in held if not measure.second_half(c["id"])]  # fitted on one half, tested on the other
+        test = [c for c in held if measure.second_half(c["id"])]
+        if not fit or not test:
+            fit, test = held, []
+        phrases, details["ngrams"] = measure.ngram_acceptance(store, measure.tokenized_answers(tokenizer, fit),
+                                                              measure.tokenized_answers(tokenizer, test))
+        save_ngrams(heads_dir, store)
+        model.phrases = store
+        log(report.ngram_table(details["ngrams"]))
+    if acceptance or lookup or cost or phrases:
+        config.adaptive = measure.merge_adaptive(config.adaptive, acceptance, lookup, cost, phrases)
         old = config.extra.get("adaptive_calibration", {})
         config.extra["adaptive_calibration"] = {**old, **{k: report.brief(k, v) for k, v in details.items() if k != "cost"}}
         if "cost" in details:

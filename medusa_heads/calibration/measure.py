@@ -13,6 +13,7 @@ from medusa_heads.inference.cache import crop_to, new_cache
 from medusa_heads.inference.propose import MAX_NGRAM
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, isotonic
 from medusa_heads.tree.buffers import build_buffers
+from medusa_heads.tree.ngrams import NgramStore
 from medusa_heads.tree.calibrate import best_tree, tree_value
 from medusa_heads.tree.spec import TreeSpec
 
@@ -119,7 +120,8 @@ ACCEPT_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 
 TEMPERATURES = tuple(float(t) for t in torch.logspace(-0.4, 0.6, 33, base=10.0))  # 0.40 .. 3.98, 7.5% apart
 COST_SIZES = tuple(range(1, 33))  # every size: a kernel's cost need not grow with the rows (CostModel, "measured")
 COST_CONTEXTS = (256, 1024, 4096)
-PARTS = ("tree", "acceptance", "lookup", "cost")  # what `medusa-heads calibrate --parts` measures
+PARTS = ("tree", "acceptance", "lookup", "cost", "ngrams")  # what `medusa-heads calibrate --parts` measures
+NGRAM_TOKENS = 8  # phrasebook continuation length measured (and drafted: its acceptance's depth)
 
 
 @dataclass
@@ -346,6 +348,54 @@ def lookup_acceptance(conversations: list[tuple[torch.Tensor, list[tuple[int, in
     return LookupAcceptance(tuple(ngrams), tuple(rates)), report
 
 
+def ngram_trials(store: NgramStore, answers: list[tuple[torch.Tensor, list[tuple[int, int]]]],
+                 tokens: int = NGRAM_TOKENS) -> tuple[list[list[float]], list[list[bool]], int]:
+    """answers: (token ids (L,), answer spans) the store did not learn. Every answer token is a root: the store's
+    chain from the tokens up to it (NgramStore.chain); its j-th token is accepted if it and the ones before it equal
+    the answer's next tokens. Returns, per depth j, the confidence and acceptance of each token tried there (j - 1
+    accepted), and the number of roots."""
+    conf: list[list[float]] = [[] for _ in range(tokens)]
+    hits: list[list[bool]] = [[] for _ in range(tokens)]
+    roots = 0
+    for ids, spans in answers:
+        seq = ids.tolist()
+        for start, end in spans:
+            for p in range(start, end - 1):  # each answer token is a root, as in decoding (prefill writes the first)
+                roots += 1
+                found, c = store.chain(seq[max(p + 1 - store.max_n, 0) : p + 1], tokens)
+                for j, (token, cj) in enumerate(zip(found, c)):
+                    if p + 1 + j >= end:
+                        break
+                    conf[j].append(cj)
+                    hits[j].append(token == seq[p + 1 + j])
+                    if not hits[j][-1]:
+                        break
+    return conf, hits, roots
+
+
+def ngram_acceptance(store: NgramStore, answers: list[tuple[torch.Tensor, list[tuple[int, int]]]],
+                     test: list[tuple[torch.Tensor, list[tuple[int, int]]]] | None = None,
+                     tokens: int = NGRAM_TOKENS, edges: tuple[float, ...] = ACCEPT_EDGES) -> tuple[Acceptance, dict]:
+    """The store's acceptance per depth j (given j - 1 accepted), isotonic over its confidence bins, fitted on the
+    chains of `answers` (ngram_trials); the report gives, per depth, what was tried and accepted, and predicted
+    against observed acceptance on `test` (other held-out answers) where given, else on `answers` themselves."""
+    conf, hits, roots = ngram_trials(store, answers, tokens)
+    if not hits[0]:
+        raise ValueError("the n-gram store continues none of the held-out answers: nothing to measure")
+    rates = []
+    for j in range(tokens):  # deeper than any chain reached: the depth above
+        rates.append(fit_isotonic(torch.tensor(conf[j]), torch.tensor(hits[j]), edges) if hits[j] else rates[-1])
+    acceptance = Acceptance(tuple(edges), tuple(tuple(r) for r in rates))
+    t_conf, t_hits, t_roots = ngram_trials(store, test, tokens) if test else (conf, hits, roots)
+    predicted = [sum(acceptance.rate(j + 1, c) for c in cs) / len(cs) if cs else 0.0 for j, cs in enumerate(t_conf)]
+    report = {"roots": roots, "entries": len(store), "min_n": store.min_n, "max_n": store.max_n,
+              "tried": [len(x) for x in hits], "accepted": [int(sum(x)) for x in hits],
+              "test": {"answers": "other held-out answers" if test else "the same answers", "roots": t_roots,
+                       "tried": [len(x) for x in t_hits], "observed": [round(sum(x) / len(x), 4) if x else 0.0 for x in t_hits],
+                       "predicted": [round(x, 4) for x in predicted]}}
+    return acceptance, report
+
+
 @torch.no_grad()
 def level_draft_ms(heads, parents: int = 4, topk: int = 8, repeats: int = 30) -> float:
     """Milliseconds of one drafting level: head d's top-k for `parents` parent rows, averaged over the heads."""
@@ -380,9 +430,11 @@ def measure_cost(target, heads, sizes: tuple[int, ...] = COST_SIZES, contexts: t
 
 
 def merge_adaptive(adaptive: dict | None, acceptance: Acceptance | None = None, lookup: LookupAcceptance | None = None,
-                   cost: tuple[str, CostModel] | None = None) -> dict:
+                   cost: tuple[str, CostModel] | None = None, ngrams: Acceptance | None = None) -> dict:
     """config.adaptive with the parts given replaced; cost models are kept per kernels key, others left as they are."""
     out = dict(adaptive or {})
+    if ngrams is not None:
+        out["ngrams"] = ngrams.to_dict()
     if acceptance is not None:
         out["acceptance"] = acceptance.to_dict()
     if lookup is not None:

@@ -28,6 +28,8 @@ def write_report(config: MedusaConfig, details: dict, folder: str | Path) -> Pat
         _plot_reliability(merged["acceptance"], folder / "reliability.png")
     if "lookup" in merged and "lookup" in adaptive:
         lines += _lookup_md(merged["lookup"], LookupAcceptance.from_dict(adaptive["lookup"]))
+    if "ngrams" in merged and "ngrams" in adaptive:
+        lines += ["## The phrasebook (n-gram store)", "", "```", ngram_table(merged["ngrams"]), "```", ""]
     for key, cost in sorted(adaptive.get("cost", {}).items()):
         lines += _cost_md(key, CostModel.from_dict(cost), merged["cost"].get(key, {}))
         _plot_cost(key, CostModel.from_dict(cost), folder / f"cost-{key}.png")
@@ -189,6 +191,8 @@ def brief(part: str, detail: dict) -> dict:
     if part == "acceptance":
         return {"method": detail["method"], "summary": detail["summary"], "held_out_positions": detail["held_out_positions"],
                 "temperatures": [r["T"] for r in detail["depths"]]}
+    if part == "ngrams":
+        return {k: detail[k] for k in ("roots", "entries", "min_n", "max_n", "tried", "accepted", "test")}
     return {k: detail[k] for k in ("roots", "matched", "max_tokens", "max_ngram", "min_ngram", "walk")}
 
 
@@ -212,6 +216,21 @@ def lookup_table(detail: dict, lookup) -> str:
              f"{'n':>3}{'matched':>9}" + "".join(f"{'j=' + str(j + 1):>7}" for j in range(detail["max_tokens"]))]
     for n, matched, row in zip(lookup.ngrams, detail["matched"], lookup.rates):
         lines.append(f"{n:>3}{matched:>9}" + "".join(f"{x:>7.3f}" for x in row))
+    return "\n".join(lines)
+
+
+def ngram_table(detail: dict) -> str:
+    """Per depth: the chains that reached it where the rates were fitted, and predicted against observed acceptance
+    (given the depth above accepted) on the test answers."""
+    t = detail["test"]
+    lines = [f"phrasebook: {detail['entries']} n-grams ({detail['min_n']}..{detail['max_n']} tokens); acceptance of "
+             f"token j given j - 1 accepted, fitted on {detail['roots']} held-out roots, tested on {t['answers']} "
+             f"({t['roots']} roots)",
+             f"{'j':>3}{'fit: tried':>12}{'accepted':>10}{'test: tried':>13}{'observed':>10}{'predicted':>11}"]
+    for j, (tried, accepted) in enumerate(zip(detail["tried"], detail["accepted"])):
+        if tried or t["tried"][j]:
+            lines.append(f"{j + 1:>3}{tried:>12}{accepted:>10}{t['tried'][j]:>13}{t['observed'][j]:>10.3f}"
+                         f"{t['predicted'][j]:>11.3f}")
     return "\n".join(lines)
 
 

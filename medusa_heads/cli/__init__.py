@@ -178,10 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     _heads_args(c, "heads directory to calibrate (its config.json is rewritten)", required=True)
     c.add_argument("--parts", default=",".join(PARTS),
                    help="what to measure: tree (the fixed tree, config.tree), acceptance, lookup, cost (config.adaptive; "
-                        "cost is stored per kernels, beside the other kernels' entries)")
+                        "cost is stored per kernels, beside the other kernels' entries), ngrams (the target's phrasebook: "
+                        "an n-gram store of its distilled answers, ngrams.safetensors, and its acceptance)")
     c.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
     c.add_argument("--data", default="data/distilled.jsonl", help="distilled conversations (the held-out split is used)")
     c.add_argument("--features", default="data/features", help="their feature shards")
+    c.add_argument("--ngram-data", nargs="+", default=None,
+                   help="distilled conversations the phrasebook learns (--parts ngrams; default: --data); the heads' "
+                        "held-out prompts measure it")
     c.add_argument("--max-nodes", type=positive, default=CAL.max_nodes, help="largest tree considered")
     c.add_argument("--topk", type=positive, default=CAL.topk, help="ranks per head considered for the tree")
     c.add_argument("--context", type=positive, default=CAL.context, help="cached tokens when timing the verify pass")

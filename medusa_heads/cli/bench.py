@@ -72,8 +72,9 @@ def check_methods(methods: list[str]) -> list[str]:
     return list(dict.fromkeys(["hf", *methods]))
 
 
-def method_label(method: str, heads_lookup: int) -> str:
-    """What a method runs, for tables and charts: e.g. "medusa (heads + lookup 10)", "medusa+pld0 (heads only)"."""
+def method_label(method: str, heads_lookup: int, phrasebook: bool = False) -> str:
+    """What a method runs, for tables and charts: e.g. "medusa (heads + lookup 10)", "medusa+pld0 (heads only)";
+    phrasebook: the heads' phrasebook drafts in the per-step tree ("heads + phrasebook + lookup 10")."""
     name, lookup = parse_method(method)
     if name == "hf":
         return "hf"
@@ -82,7 +83,8 @@ def method_label(method: str, heads_lookup: int) -> str:
     if name == "pld":
         return f"pld (lookup {PLD_TOKENS})"
     lookup = heads_lookup if lookup is None else lookup
-    return f"{method} ({'heads only' if lookup == 0 else f'heads + lookup {lookup}'})"
+    heads = "heads + phrasebook" if phrasebook and name == "medusa" else "heads"
+    return f"{method} ({heads + ' only' if lookup == 0 else f'{heads} + lookup {lookup}'})"
 
 
 def _sampling_text(sampling: dict | None) -> str:
@@ -211,7 +213,8 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         "by_category": {cat: summarise(v) for cat, v in sorted(acc.items())},
         "by_prompt": speedups,
         "long": {"max_new_tokens": long_tokens, "prompt": LONG_PROMPT, **long} if long else None,
-        "labels": {m: method_label(m, model.config.lookup_tokens) for m in methods},
+        "labels": {m: method_label(m, model.config.lookup_tokens, model.adaptive and model.phrasebook() is not None)
+                   for m in methods},
         "settings": {"model": base.name_or_path, "max_new_tokens": max_new_tokens, "sampling": sampling, "prompts": len(rows),
                      "tree": "adaptive" if configured == ADAPTIVE else f"fixed, {fixed.num_nodes} nodes",
                      "fixed_tree_nodes": fixed.num_nodes, "preset": preset,

@@ -298,12 +298,21 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if not parts or set(parts) - set(PARTS):
         raise SystemExit(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {args.parts!r}")
     _check_heads(args.heads)
-    needs_data = set(parts) != {"cost"}  # timings need no conversations
+    needs_data = bool(set(parts) - {"cost", "ngrams"})  # timings need no conversations; the phrasebook its own
     if needs_data:
         _check_file(args.data, "--data")
     _check_model(args.model)
     torch.set_num_threads(args.threads)
     conversations = held_out_conversations(read_conversations(args.data), args.heads) if needs_data else []
+    phrase_data = None
+    if "ngrams" in parts:  # the heads' held-out prompts are the phrasebook's too
+        files = args.ngram_data or [args.data]
+        for f in files:
+            _check_file(f, "--ngram-data")
+        every = [c for f in files for c in read_conversations(f)]
+        held = held_out_conversations(every, args.heads)
+        ids = {c["id"] for c in held}
+        phrase_data = ([c for c in every if c["id"] not in ids], held)
     prepack = args.prepack and args.device in (None, "cpu")
     model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=getattr(torch, DTYPES[args.dtype]),
                                         device_map=args.device, prepack=None if prepack else False,
@@ -312,7 +321,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                         overhead_ms=args.overhead_ms, accept_topk=args.accept_topk, lookup_tokens=args.lookup_tokens,
                         contexts=tuple(int(c) for c in args.contexts.split(",")))
     calibrate(model, load_tokenizer(args.model), args.heads, parts, conversations,
-              args.features, settings, args.report)
+              args.features, settings, args.report, phrase_data=phrase_data)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

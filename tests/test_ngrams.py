@@ -1,0 +1,221 @@
+"""The target's phrasebook (tree/ngrams.py): an n-gram store of its own answers, drafting beside the heads."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from medusa_heads import MedusaModel
+from medusa_heads.calibration.measure import ngram_acceptance
+from medusa_heads.checkpoint import NGRAMS_NAME, load_ngrams, save_ngrams
+from medusa_heads.tree.adaptive import Acceptance, CostModel
+from medusa_heads.tree.ngrams import NgramStore, max_order
+
+from conftest import tiny_model
+from test_adaptive import EDGES, FLAT, calibrated
+from test_sampling import DRAWS, NEW, SETTINGS, TREE, exact_joint, p_value
+
+SURE = Acceptance(EDGES, ((0.9, 0.9, 0.9, 0.9),) * 8)  # the store's chains rated as nearly sure
+
+
+def whole(seqs: list[list[int]]) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
+    return [(torch.tensor(s), [(0, len(s))]) for s in seqs]
+
+
+def test_the_store_keeps_each_ngrams_most_frequent_follower_as_counting_would():
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 5, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (30,), generator=g)]
+    store = NgramStore.build(whole(seqs), vocab_size=5, min_n=1, max_n=3, min_count=2)
+    followers: dict[tuple[int, ...], Counter] = {}
+    for s in seqs:
+        for i in range(1, len(s)):
+            for n in range(1, min(3, i) + 1):
+                followers.setdefault(tuple(s[i - n : i]), Counter())[s[i]] += 1
+    kept = {k: c for k, c in followers.items() if sum(c.values()) >= 2}
+    assert len(store) == len(kept)  # keys of every length in one array, none colliding
+    for ngram, c in kept.items():
+        row = store.find(list(ngram))
+        best = max(c.values())
+        assert row >= 0 and int(store.tokens[row]) == min(t for t, k in c.items() if k == best)  # ties: lower id
+        assert float(store.confidence[row]) == pytest.approx(best / sum(c.values()))
+    assert store.find([4, 4, 4, 4]) == -1
+
+
+def test_only_tokens_inside_the_spans_are_learned_with_whatever_context_precedes_them():
+    ids = torch.tensor([7, 8, 1, 2, 3, 7, 8, 9])
+    store = NgramStore.build([(ids, [(6, 8)])], vocab_size=10, min_n=2, max_n=2, min_count=1)
+    assert store.chain([7, 8], 3) == ([9], [1.0])  # (7, 8) -> 1 lies outside the span: not learned
+    assert store.find([8, 9]) == -1 and store.find([1, 2]) == -1
+
+
+def test_a_chain_backs_off_to_shorter_ngrams_and_reads_its_own_drafts():
+    seqs = [[1, 2, 3, 4]] * 2 + [[9, 2, 3, 5]] * 3 + [[3, 5, 6]] * 2
+    store = NgramStore.build(whole(seqs), vocab_size=10, min_n=2, max_n=3, min_count=2)
+    tokens, conf = store.chain([1, 2, 3], 4)
+    assert tokens == [4] and conf == [1.0]  # (1, 2, 3) -> 4; then (2, 3, 4), (3, 4) are unknown: stop
+    tokens, conf = store.chain([8, 2, 3], 4)
+    assert tokens == [5, 6] and conf == pytest.approx([0.6, 1.0])  # (2, 3) -> 5 (3 of 5), then (3, 5) -> 6
+    assert store.chain([0], 4) == ([], [])  # shorter than min_n
+
+
+def test_bad_stores_are_refused():
+    assert max_order(49152) == 4 and max_order(128256) == 3
+    with pytest.raises(ValueError, match="do not fit an int64"):
+        NgramStore.build(whole([[1, 2, 3, 4, 5, 6]]), vocab_size=128256, max_n=4)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        NgramStore(torch.tensor([5, 3]), torch.tensor([1, 1]), torch.ones(2), 10, 2, 3)
+    with pytest.raises(ValueError, match=r"lie in \[0, 10\)"):
+        NgramStore(torch.tensor([3, 5]), torch.tensor([1, 10]), torch.ones(2), 10, 2, 3)
+    with pytest.raises(ValueError, match="one shape"):
+        NgramStore(torch.tensor([3, 5]), torch.tensor([1]), torch.ones(2), 10, 2, 3)
+    with pytest.raises(ValueError, match="no n-grams"):
+        NgramStore.build(whole([[1]]), vocab_size=10)
+
+
+def test_a_store_round_trips_beside_the_heads_and_another_vocabulary_is_refused(tmp_path):
+    store = NgramStore.build(whole([[1, 2, 3, 4]] * 2 + [[1, 2, 5]] * 3), vocab_size=96, min_n=2, max_n=4)
+    assert load_ngrams(tmp_path) is None
+    save_ngrams(tmp_path, store)
+    back = load_ngrams(tmp_path, vocab_size=96)
+    assert torch.equal(back.keys, store.keys) and torch.equal(back.tokens, store.tokens)
+    assert (back.min_n, back.max_n, back.vocab_size) == (2, 4, 96)
+    assert back.chain([1, 2], 3) == (store.chain([1, 2], 3)[0], pytest.approx(store.chain([1, 2], 3)[1], abs=1e-3))
+    with pytest.raises(ValueError, match="vocabulary of 96, the heads have 100"):
+        load_ngrams(tmp_path, vocab_size=100)
+
+    base = tiny_model("llama", seed=1)  # the model saves its phrasebook with its heads, and loads it back
+    model = calibrated(base, FLAT)
+    model.phrases = store
+    model.config.adaptive["ngrams"] = SURE.to_dict()
+    model.save_pretrained(tmp_path / "heads")
+    again = MedusaModel.from_pretrained(base, heads=tmp_path / "heads")
+    assert torch.equal(again.phrases.keys, store.keys) and again.config.adaptive["ngrams"] == SURE.to_dict()
+
+    (tmp_path / "bad").mkdir()
+    from safetensors.torch import save_file
+    save_file({"keys": store.keys}, tmp_path / "bad" / NGRAMS_NAME, metadata={"vocab_size": "96", "min_n": "2", "max_n": "4"})
+    with pytest.raises(ValueError, match=f"bad/{NGRAMS_NAME}: n-gram store lacks"):
+        load_ngrams(tmp_path / "bad")
+
+
+def _phrasebook_of(base, prompts: list[torch.Tensor], new: int) -> tuple[NgramStore, list[torch.Tensor]]:
+    """A store of the target's own greedy answers to these prompts (an oracle for them), and those answers."""
+    refs = [base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False) for ids in prompts]
+    answers = [(r[0], [(p.shape[1], r.shape[1])]) for p, r in zip(prompts, refs)]
+    return NgramStore.build(answers, vocab_size=base.config.vocab_size, min_n=2, max_n=3, min_count=1), refs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_phrasebook_keeps_greedy_output_the_targets_and_a_right_one_raises_tau(arch):
+    base = tiny_model(arch, seed=3)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (1, 6), generator=g) for _ in range(3)]
+    right, refs = _phrasebook_of(base, prompts, 40)
+    wrong = NgramStore.build(whole([torch.randint(0, 96, (60,), generator=g).tolist() for _ in range(20)]),
+                             vocab_size=96, min_n=2, max_n=3, min_count=1)
+    model = calibrated(base, FLAT, rates=(0.05, 0.1, 0.2, 0.3))  # random heads, rated as the poor drafters they are
+    steps = {}
+    for name, store in (("none", None), ("right", right), ("wrong", wrong)):
+        model.phrases = store
+        if store is None:
+            model.config.adaptive.pop("ngrams", None)
+        else:
+            model.config.adaptive["ngrams"] = SURE.to_dict()
+        steps[name] = 0
+        for ids, ref in zip(prompts, refs):
+            res = model.generate(ids, max_new_tokens=40, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
+            assert torch.equal(res.sequences, ref), f"{arch}, phrasebook {name}"
+            steps[name] += res.stats.steps
+    assert steps["right"] < steps["none"] / 2, steps  # the target's own text, drafted and accepted
+    assert steps["wrong"] >= steps["none"] - 2, steps
+
+
+def test_a_phrasebook_without_its_measured_acceptance_does_not_draft():
+    base = tiny_model("llama", seed=3)
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    right, (ref,) = _phrasebook_of(base, [ids], 30)
+    model = calibrated(base, FLAT, rates=(0.05, 0.1, 0.2, 0.3))
+    plain = model.generate(ids, max_new_tokens=30, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
+    model.phrases = right  # no config.adaptive["ngrams"]: the store is not used
+    res = model.generate(ids, max_new_tokens=30, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
+    assert torch.equal(res.sequences, ref) and res.stats.tokens_per_step == plain.stats.tokens_per_step
+
+
+def test_adaptive_sampling_is_exact_with_a_phrasebook():
+    base = tiny_model("llama", seed=5, vocab_size=6, initializer_range=0.6)
+    cost = CostModel(contexts=(3, 4), sizes=(1, 2, 4, 32), ms=((10.0, 10.5, 11.0, 60.0), (10.0, 11.0, 12.0, 20.0)))
+    model = calibrated(base, cost, rates=(0.05, 0.1, 0.2, 0.3), std=1.0, tree=TREE)
+    g = torch.Generator().manual_seed(2)
+    model.phrases = NgramStore.build(whole([torch.randint(0, 6, (40,), generator=g).tolist() for _ in range(10)]),
+                                     vocab_size=6, min_n=2, max_n=3, min_count=1)
+    model.config.adaptive["ngrams"] = SURE.to_dict()
+    ids = torch.tensor([[1, 4, 2]])
+    law = exact_joint(base, ids, **SETTINGS)
+    counts, sizes = {}, []
+    for _ in range(DRAWS):
+        res = model.generate(ids, max_new_tokens=NEW, generator=g, return_dict_in_generate=True, **SETTINGS)
+        key = tuple(res.sequences[0, ids.shape[1]:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        sizes += res.stats.tree_sizes
+    assert max(sizes) >= 3, "the phrasebook's chains must be drafted"
+    assert p_value(law, counts) > 1e-3
+
+
+def test_the_phrasebooks_acceptance_is_measured_on_answers_it_did_not_learn():
+    store = NgramStore.build(whole([[1, 2, 3, 4]] * 3 + [[1, 2, 5, 6]]), vocab_size=10, min_n=2, max_n=2)
+    # stored: (1, 2) -> 3 (3 of 4), (2, 3) -> 4; (2, 5) -> 6 was seen once. Roots 1..4 (the last token is none):
+    # (0, 1) unknown; (1, 2) -> 3 right, then (2, 3) -> 4 wrong (9); (2, 3) -> 4 wrong; (3, 9) unknown
+    answers = [(torch.tensor([0, 1, 2, 3, 9, 7]), [(1, 6)])]
+    acceptance, report = ngram_acceptance(store, answers, tokens=3, edges=(0.0, 0.5, 1.0))
+    assert report["roots"] == 4 and report["tried"] == [2, 1, 0] and report["accepted"] == [1, 0, 0]
+    assert acceptance.rates[:2] == ((0.5, 0.5), (0.0, 0.0)) and acceptance.rates[2] == acceptance.rates[1]
+    assert report["test"]["observed"] == [0.5, 0.0, 0.0] and report["test"]["predicted"] == [0.5, 0.0, 0.0]
+    other = [(torch.tensor([5, 1, 2, 3, 4, 7]), [(1, 6)])]  # tested on other answers: (1, 2) -> 3, (2, 3) -> 4 right
+    _, report = ngram_acceptance(store, answers, other, tokens=3, edges=(0.0, 0.5, 1.0))
+    assert report["test"]["tried"] == [2, 1, 0] and report["test"]["observed"][:2] == [1.0, 1.0]
+    assert report["test"]["predicted"][:2] == [0.5, 0.0]
+    with pytest.raises(ValueError, match="continues none"):
+        ngram_acceptance(store, [(torch.tensor([9, 9, 9]), [(0, 3)])])
+
+
+def test_calibrate_builds_the_phrasebook_measures_it_on_held_out_prompts_and_stores_both(tmp_path, capsys):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from medusa_heads import default_model_path
+    from medusa_heads.cli import main
+    from medusa_heads.training.data import is_eval
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    base = tiny_model("llama", vocab_size=len(tok))
+    base.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    words = "the cat sat on the mat and the dog sat on the log".split()
+    convs = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Say something {i}"},
+                                           {"role": "assistant", "content": " ".join(words[i % 13:] + words[:i % 13])}]}
+             for i in range(40)]
+    MedusaModel.from_pretrained(base, heads=None).save_pretrained(tmp_path / "heads")
+    config = json.loads((tmp_path / "heads" / "config.json").read_text())
+    config["extra"] = {"recipe": {"eval_fraction": 0.3}}
+    (tmp_path / "heads" / "config.json").write_text(json.dumps(config))
+    assert {is_eval(c["id"], 0.3) for c in convs} == {False, True}  # both sides have prompts
+    half = len(convs) // 2
+    for name, rows in (("a.jsonl", convs[:half]), ("b.jsonl", convs[half:])):
+        (tmp_path / name).write_text("".join(json.dumps(c) + "\n" for c in rows))
+    main(["calibrate", "--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "model"), "--parts", "ngrams",
+          "--ngram-data", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--threads", "1",
+          "--report", str(tmp_path / "report")])
+    assert "phrasebook:" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "heads" / "config.json").read_text())
+    acceptance = Acceptance.from_dict(saved["adaptive"]["ngrams"])
+    assert acceptance.rate(1, 1.0) > 0.5  # the held-out answers are rotations of the learned ones
+    assert saved["extra"]["adaptive_calibration"]["ngrams"]["roots"] > 0
+    store = load_ngrams(tmp_path / "heads", vocab_size=len(tok))
+    the_cat = tok(" the cat", add_special_tokens=False)["input_ids"]
+    assert store.chain(the_cat, 2)[0] == tok(" sat on", add_special_tokens=False)["input_ids"]
+    assert "## The phrasebook" in (tmp_path / "report" / "report.md").read_text()
+    with pytest.raises(SystemExit, match="missing.jsonl: no such file"):
+        main(["calibrate", "--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "model"), "--parts", "ngrams",
+              "--ngram-data", str(tmp_path / "missing.jsonl")])
