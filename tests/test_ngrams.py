@@ -219,3 +219,32 @@ def test_calibrate_builds_the_phrasebook_measures_it_on_held_out_prompts_and_sto
     with pytest.raises(SystemExit, match="missing.jsonl: no such file"):
         main(["calibrate", "--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "model"), "--parts", "ngrams",
               "--ngram-data", str(tmp_path / "missing.jsonl")])
+
+
+def test_children_the_phrasebook_raises_learn_their_correction_apart_from_the_lookups():
+    base = tiny_model("llama", seed=0)
+    model = calibrated(base, FLAT)
+    model.phrases = NgramStore.build(whole([[5, 6, 7, 8, 9]] * 2), vocab_size=96, min_n=2, max_n=3)
+    model.config.adaptive["ngrams"] = SURE.to_dict()
+
+    def merged(drafter):  # the heads drafted 8 (0.3) and 12 (0.05) below the root 7; the store continues 8, 9
+        tok, par, val, slot = [7, 8, 12], [-1, 0, 0], [1.0, 0.3, 0.05], [0, 1, 1]
+        paths = [[7], [7, 8], [7, 12]]
+        drafter._merge_lookup(torch.tensor([1, 6, 7]), tok, par, val, slot, paths)
+        nodes = {tuple(p[1:]): i for i, p in enumerate(paths)}
+        return val[nodes[(8,)]], val[nodes[(8, 9)]], slot[nodes[(8,)]], slot[nodes[(8, 9)]]
+
+    fresh = model._adaptive_drafter(lookup=0, ngram=3)
+    raised = fresh.raised[fresh.phrase_slot]
+    assert raised not in (fresh.repeat, fresh.phrase_slot) and raised > fresh.depth
+    assert merged(fresh) == pytest.approx((1 - 0.7 * 0.1, (1 - 0.7 * 0.1) * 0.9, raised, fresh.phrase_slot))
+    other = model._adaptive_drafter(lookup=0, ngram=3)
+    for _ in range(8):  # the lookup's raised children all failed: the phrasebook's are not pulled down with them
+        other.correction.add(other.repeat, 0.9, 0.0)
+    other.correction.fit()
+    assert other.correction.shift[other.repeat] < 0 and merged(other) == pytest.approx(merged(fresh))
+    doubt = model._adaptive_drafter(lookup=0, ngram=3)
+    for _ in range(8):
+        doubt.correction.add(raised, 0.9, 0.0)
+    doubt.correction.fit()
+    assert merged(doubt)[0] < merged(fresh)[0]
