@@ -22,7 +22,7 @@ import math
 import torch
 
 from medusa_heads.heads import MedusaHeads
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, best_size
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
 from medusa_heads.tree.ngrams import NgramStore
 from medusa_heads.inference.propose import MAX_NGRAM, Draft, lookup_continuations
@@ -99,7 +99,7 @@ class AdaptiveDrafter:
     def __init__(self, heads: MedusaHeads, acceptance: Acceptance, cost: CostModel,
                  lookup: LookupAcceptance | None = None, lookup_tokens: int = 0, max_ngram: int = MAX_NGRAM,
                  min_ngram: int = 1, topk: int = 4, beam: int = 4, lookup_branches: int = 1,
-                 phrases: NgramStore | None = None, phrase_acceptance: Acceptance | None = None) -> None:
+                 phrases: NgramStore | None = None, phrase_acceptance: PhraseAcceptance | None = None) -> None:
         if topk < 1 or beam < 1 or lookup_branches < 1:
             raise ValueError(f"topk, beam and lookup_branches must be >= 1, got {topk}, {beam} and {lookup_branches}")
         if lookup_tokens and lookup is None:
@@ -211,15 +211,16 @@ class AdaptiveDrafter:
 
     def _continuations(self, sequence: torch.Tensor) -> list[tuple[list[int], list[float], int]]:
         """The continuations to merge, each with its tokens' calibrated rates given their parents and its slot:
-        prompt lookup's, then the phrasebook's (its j-th token rated at depth j by its confidence)."""
+        prompt lookup's, then the phrasebook's (its j-th token rated at depth j by its confidence and matched length)."""
         out = []
         if self.lookup_tokens:
             found, ngram = lookup_continuations(sequence, self.lookup_tokens, self.max_ngram, self.min_ngram, self.branches)
             out += [(f.tolist(), self.lookup.chain(ngram, len(f)), 0) for f in found]
         if self.phrases is not None:
-            found, confidence = self.phrases.chain(sequence[-self.phrases.max_n:].tolist(), self.phrase_acceptance.depth)
+            found, confidence, orders = self.phrases.chain(sequence[-self.phrases.max_n:].tolist(),
+                                                           self.phrase_acceptance.depth)
             if found:
-                rates = [self.phrase_acceptance.rate(j, c) for j, c in enumerate(confidence, 1)]
+                rates = [self.phrase_acceptance.rate(j, n, c) for j, (c, n) in enumerate(zip(confidence, orders), 1)]
                 out.append((found, rates, self.phrase_slot))
         return out
 

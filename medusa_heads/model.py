@@ -30,7 +30,9 @@ from medusa_heads.default_model import DEFAULT_MODEL, default_heads_path
 from medusa_heads import prompting
 from medusa_heads.loading import load_base
 from medusa_heads.tree import TreeSpec, build_buffers, load_tree
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, cost_key, find_cost, kernels_key
+from medusa_heads.tree.adaptive import (
+    Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, cost_key, find_cost, kernels_key,
+)
 from medusa_heads.tree.ngrams import NgramStore
 
 ADAPTIVE = "adaptive"  # tree= for a tree chosen at every step
@@ -192,10 +194,10 @@ class MedusaModel(nn.Module):
         """A drafter for one call (it learns from the call's own acceptance)."""
         acceptance, table, cost = self._adaptive_config()
         phrases = self.phrasebook()
+        rates = PhraseAcceptance.from_dict(self.config.adaptive["ngrams"]) if phrases is not None else None
         return AdaptiveDrafter(self.heads, acceptance, cost, table, lookup,
                                max_ngram=ngram, min_ngram=min(ngram, table.ngrams[0]) if table is not None else 1,
-                               lookup_branches=self.config.lookup_branches, phrases=phrases,
-                               phrase_acceptance=Acceptance.from_dict(self.config.adaptive["ngrams"]) if phrases else None)
+                               lookup_branches=self.config.lookup_branches, phrases=phrases, phrase_acceptance=rates)
 
     def phrasebook(self) -> NgramStore | None:
         """The phrasebook that drafts in the per-step tree (unbatched): the store, where its acceptance was

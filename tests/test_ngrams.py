@@ -9,14 +9,14 @@ import torch
 from medusa_heads import MedusaModel
 from medusa_heads.calibration.measure import ngram_acceptance
 from medusa_heads.checkpoint import NGRAMS_NAME, load_ngrams, save_ngrams
-from medusa_heads.tree.adaptive import Acceptance, CostModel
+from medusa_heads.tree.adaptive import Acceptance, CostModel, PhraseAcceptance
 from medusa_heads.tree.ngrams import NgramStore, max_order
 
 from conftest import tiny_model
 from test_adaptive import EDGES, FLAT, calibrated
 from test_sampling import DRAWS, NEW, SETTINGS, TREE, exact_joint, p_value
 
-SURE = Acceptance(EDGES, ((0.9, 0.9, 0.9, 0.9),) * 8)  # the store's chains rated as nearly sure
+SURE = PhraseAcceptance((2,), (Acceptance(EDGES, ((0.9, 0.9, 0.9, 0.9),) * 8),))  # chains rated as nearly sure
 
 
 def whole(seqs: list[list[int]]) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
@@ -45,18 +45,18 @@ def test_the_store_keeps_each_ngrams_most_frequent_follower_as_counting_would():
 def test_only_tokens_inside_the_spans_are_learned_with_whatever_context_precedes_them():
     ids = torch.tensor([7, 8, 1, 2, 3, 7, 8, 9])
     store = NgramStore.build([(ids, [(6, 8)])], vocab_size=10, min_n=2, max_n=2, min_count=1)
-    assert store.chain([7, 8], 3) == ([9], [1.0])  # (7, 8) -> 1 lies outside the span: not learned
+    assert store.chain([7, 8], 3) == ([9], [1.0], [2])  # (7, 8) -> 1 lies outside the span: not learned
     assert store.find([8, 9]) == -1 and store.find([1, 2]) == -1
 
 
 def test_a_chain_backs_off_to_shorter_ngrams_and_reads_its_own_drafts():
     seqs = [[1, 2, 3, 4]] * 2 + [[9, 2, 3, 5]] * 3 + [[3, 5, 6]] * 2
     store = NgramStore.build(whole(seqs), vocab_size=10, min_n=2, max_n=3, min_count=2)
-    tokens, conf = store.chain([1, 2, 3], 4)
-    assert tokens == [4] and conf == [1.0]  # (1, 2, 3) -> 4; then (2, 3, 4), (3, 4) are unknown: stop
-    tokens, conf = store.chain([8, 2, 3], 4)
-    assert tokens == [5, 6] and conf == pytest.approx([0.6, 1.0])  # (2, 3) -> 5 (3 of 5), then (3, 5) -> 6
-    assert store.chain([0], 4) == ([], [])  # shorter than min_n
+    tokens, conf, orders = store.chain([1, 2, 3], 4)
+    assert tokens == [4] and conf == [1.0] and orders == [3]  # (1, 2, 3) -> 4; then (2, 3, 4), (3, 4): unknown
+    tokens, conf, orders = store.chain([8, 2, 3], 4)
+    assert tokens == [5, 6] and conf == pytest.approx([0.6, 1.0]) and orders == [2, 2]  # (2, 3) -> 5, (3, 5) -> 6
+    assert store.chain([0], 4) == ([], [], [])  # shorter than min_n
 
 
 def test_bad_stores_are_refused():
@@ -80,7 +80,8 @@ def test_a_store_round_trips_beside_the_heads_and_another_vocabulary_is_refused(
     back = load_ngrams(tmp_path, vocab_size=96)
     assert torch.equal(back.keys, store.keys) and torch.equal(back.tokens, store.tokens)
     assert (back.min_n, back.max_n, back.vocab_size) == (2, 4, 96)
-    assert back.chain([1, 2], 3) == (store.chain([1, 2], 3)[0], pytest.approx(store.chain([1, 2], 3)[1], abs=1e-3))
+    tokens, conf, orders = store.chain([1, 2], 3)
+    assert back.chain([1, 2], 3) == (tokens, pytest.approx(conf, abs=1e-3), orders)
     with pytest.raises(ValueError, match="vocabulary of 96, the heads have 100"):
         load_ngrams(tmp_path, vocab_size=100)
 
@@ -169,7 +170,9 @@ def test_the_phrasebooks_acceptance_is_measured_on_answers_it_did_not_learn():
     answers = [(torch.tensor([0, 1, 2, 3, 9, 7]), [(1, 6)])]
     acceptance, report = ngram_acceptance(store, answers, tokens=3, edges=(0.0, 0.5, 1.0))
     assert report["roots"] == 4 and report["tried"] == [2, 1, 0] and report["accepted"] == [1, 0, 0]
-    assert acceptance.rates[:2] == ((0.5, 0.5), (0.0, 0.0)) and acceptance.rates[2] == acceptance.rates[1]
+    assert acceptance.orders == (2,) and report["first_by_order"] == {2: [2, 1]}
+    rates = acceptance.tables[0].rates  # too few trials for a length of their own: all lengths' rates
+    assert rates[:2] == ((0.5, 0.5), (0.0, 0.0)) and rates[2] == rates[1]  # an unreached depth: the one above
     assert report["test"]["observed"] == [0.5, 0.0, 0.0] and report["test"]["predicted"] == [0.5, 0.0, 0.0]
     other = [(torch.tensor([5, 1, 2, 3, 4, 7]), [(1, 6)])]  # tested on other answers: (1, 2) -> 3, (2, 3) -> 4 right
     _, report = ngram_acceptance(store, answers, other, tokens=3, edges=(0.0, 0.5, 1.0))
@@ -209,8 +212,8 @@ def test_calibrate_builds_the_phrasebook_measures_it_on_held_out_prompts_and_sto
           "--report", str(tmp_path / "report")])
     assert "phrasebook:" in capsys.readouterr().out
     saved = json.loads((tmp_path / "heads" / "config.json").read_text())
-    acceptance = Acceptance.from_dict(saved["adaptive"]["ngrams"])
-    assert acceptance.rate(1, 1.0) > 0.5  # the held-out answers are rotations of the learned ones
+    acceptance = PhraseAcceptance.from_dict(saved["adaptive"]["ngrams"])
+    assert acceptance.rate(1, 4, 1.0) > 0.5  # the held-out answers are rotations of the learned ones
     assert saved["extra"]["adaptive_calibration"]["ngrams"]["roots"] > 0
     store = load_ngrams(tmp_path / "heads", vocab_size=len(tok))
     the_cat = tok(" the cat", add_special_tokens=False)["input_ids"]
@@ -248,3 +251,21 @@ def test_children_the_phrasebook_raises_learn_their_correction_apart_from_the_lo
         doubt.correction.add(raised, 0.9, 0.0)
     doubt.correction.fit()
     assert merged(doubt)[0] < merged(fresh)[0]
+
+
+def test_rates_are_fitted_per_matched_length_where_there_are_trials_enough(monkeypatch):
+    import medusa_heads.calibration.measure as measure
+
+    store = NgramStore.build(whole([[1, 2, 3, 4]] * 3), vocab_size=10, min_n=2, max_n=3)
+    # root 2: (1, 2) -> 3 right (a 2-gram), then (1, 2, 3) -> 4 wrong (9); root 3: (1, 2, 3) -> 4 wrong (a 3-gram)
+    answers = [(torch.tensor([0, 1, 2, 3, 9]), [(1, 5)])]
+    monkeypatch.setattr(measure, "MIN_TRIALS", 1)
+    acceptance, report = ngram_acceptance(store, answers, tokens=2, edges=(0.0, 0.5, 1.0))
+    assert acceptance.orders == (2, 3) and report["first_by_order"] == {2: [1, 1], 3: [1, 0]}
+    assert acceptance.rate(1, 2, 1.0) == 1.0 and acceptance.rate(1, 3, 1.0) == 0.0
+    assert acceptance.rate(1, 1, 1.0) == 1.0 and acceptance.rate(1, 4, 1.0) == 0.0  # shorter: the first; longer: the last
+    assert PhraseAcceptance.from_dict(acceptance.to_dict()) == acceptance
+    with pytest.raises(ValueError, match="increasing n-gram lengths"):
+        PhraseAcceptance((3, 2), acceptance.tables)
+    with pytest.raises(ValueError, match="same depths"):
+        PhraseAcceptance((2, 3), (acceptance.tables[0], Acceptance((0.0, 1.0), ((0.5,),))))

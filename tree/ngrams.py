@@ -68,22 +68,25 @@ class NgramStore:
         i = bisect.bisect_left(keys, key)
         return i if i < len(keys) and keys[i] == key else -1
 
-    def chain(self, context: list[int], length: int) -> tuple[list[int], list[float]]:
+    def chain(self, context: list[int], length: int) -> tuple[list[int], list[float], list[int]]:
         """Up to `length` tokens, each the most frequent follower of the longest stored n-gram (max_n down to
-        min_n) that ends the context so far, drafted tokens included; and each one's confidence. Stops where no
-        suffix is stored."""
+        min_n) that ends the context so far, drafted tokens included; each one's confidence, and the length of the
+        n-gram that found it. Stops where no suffix is stored."""
         _, tokens, confidence = self._index
         ctx = list(context[-self.max_n:])
-        out, conf = [], []
+        out, conf, orders = [], [], []
         for _ in range(length):
-            row = next((r for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1)
-                        if (r := self.find(ctx[-n:])) >= 0), -1)
+            row, n = -1, 0
+            for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
+                if (row := self.find(ctx[-n:])) >= 0:
+                    break
             if row < 0:
                 break
             out.append(tokens[row])
             conf.append(confidence[row])
+            orders.append(n)
             ctx = (ctx + out[-1:])[-self.max_n:]
-        return out, conf
+        return out, conf, orders
 
     @classmethod
     def build(cls, sequences: Iterable[tuple[torch.Tensor, list[tuple[int, int]]]], vocab_size: int, min_n: int = 2,

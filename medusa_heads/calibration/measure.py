@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from medusa_heads.inference.cache import crop_to, new_cache
 from medusa_heads.inference.propose import MAX_NGRAM
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, isotonic
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, isotonic
 from medusa_heads.tree.buffers import build_buffers
 from medusa_heads.tree.ngrams import NgramStore
 from medusa_heads.tree.calibrate import best_tree, tree_value
@@ -122,6 +122,7 @@ COST_SIZES = tuple(range(1, 33))  # every size: a kernel's cost need not grow wi
 COST_CONTEXTS = (256, 1024, 4096)
 PARTS = ("tree", "acceptance", "lookup", "cost", "ngrams")  # what `medusa-heads calibrate --parts` measures
 NGRAM_TOKENS = 8  # phrasebook continuation length measured (and drafted: its acceptance's depth)
+MIN_TRIALS = 100  # the fewest trials a matched length's rates are fitted on at a depth (else all lengths' rates)
 
 
 @dataclass
@@ -349,49 +350,64 @@ def lookup_acceptance(conversations: list[tuple[torch.Tensor, list[tuple[int, in
 
 
 def ngram_trials(store: NgramStore, answers: list[tuple[torch.Tensor, list[tuple[int, int]]]],
-                 tokens: int = NGRAM_TOKENS) -> tuple[list[list[float]], list[list[bool]], int]:
+                 tokens: int = NGRAM_TOKENS) -> tuple[list[list[tuple[int, float, bool]]], int]:
     """answers: (token ids (L,), answer spans) the store did not learn. Every answer token is a root: the store's
     chain from the tokens up to it (NgramStore.chain); its j-th token is accepted if it and the ones before it equal
-    the answer's next tokens. Returns, per depth j, the confidence and acceptance of each token tried there (j - 1
-    accepted), and the number of roots."""
-    conf: list[list[float]] = [[] for _ in range(tokens)]
-    hits: list[list[bool]] = [[] for _ in range(tokens)]
+    the answer's next tokens. Returns, per depth j, (matched n-gram length, confidence, accepted) of each token
+    tried there (j - 1 accepted), and the number of roots."""
+    out: list[list[tuple[int, float, bool]]] = [[] for _ in range(tokens)]
     roots = 0
     for ids, spans in answers:
         seq = ids.tolist()
         for start, end in spans:
             for p in range(start, end - 1):  # each answer token is a root, as in decoding (prefill writes the first)
                 roots += 1
-                found, c = store.chain(seq[max(p + 1 - store.max_n, 0) : p + 1], tokens)
-                for j, (token, cj) in enumerate(zip(found, c)):
+                found, conf, orders = store.chain(seq[max(p + 1 - store.max_n, 0) : p + 1], tokens)
+                for j, (token, c, n) in enumerate(zip(found, conf, orders)):
                     if p + 1 + j >= end:
                         break
-                    conf[j].append(cj)
-                    hits[j].append(token == seq[p + 1 + j])
-                    if not hits[j][-1]:
+                    out[j].append((n, c, token == seq[p + 1 + j]))
+                    if not out[j][-1][2]:
                         break
-    return conf, hits, roots
+    return out, roots
+
+
+def _fit_depths(trials: list[list[tuple[int, float, bool]]], edges: tuple[float, ...],
+                fallback: Acceptance | None = None) -> Acceptance:
+    """Isotonic rates over the confidence bins per depth; a depth with fewer than MIN_TRIALS trials takes the
+    fallback's rates there (else the depth above)."""
+    rates = []
+    for j, t in enumerate(trials):
+        if len(t) >= MIN_TRIALS or (fallback is None and t):
+            rates.append(tuple(fit_isotonic(torch.tensor([c for _, c, _ in t]), torch.tensor([a for _, _, a in t]), edges)))
+        else:
+            rates.append(fallback.rates[j] if fallback is not None else rates[-1])
+    return Acceptance(tuple(edges), tuple(rates))
 
 
 def ngram_acceptance(store: NgramStore, answers: list[tuple[torch.Tensor, list[tuple[int, int]]]],
                      test: list[tuple[torch.Tensor, list[tuple[int, int]]]] | None = None,
-                     tokens: int = NGRAM_TOKENS, edges: tuple[float, ...] = ACCEPT_EDGES) -> tuple[Acceptance, dict]:
-    """The store's acceptance per depth j (given j - 1 accepted), isotonic over its confidence bins, fitted on the
-    chains of `answers` (ngram_trials); the report gives, per depth, what was tried and accepted, and predicted
-    against observed acceptance on `test` (other held-out answers) where given, else on `answers` themselves."""
-    conf, hits, roots = ngram_trials(store, answers, tokens)
-    if not hits[0]:
+                     tokens: int = NGRAM_TOKENS, edges: tuple[float, ...] = ACCEPT_EDGES) -> tuple[PhraseAcceptance, dict]:
+    """The store's acceptance per matched n-gram length and depth j (given j - 1 accepted), isotonic over its
+    confidence bins, fitted on the chains of `answers` (ngram_trials); a length with too few trials at a depth reads
+    all lengths' rates there. The report gives, per depth, what was tried and accepted, and predicted against
+    observed acceptance on `test` (other held-out answers) where given, else on `answers` themselves."""
+    trials, roots = ngram_trials(store, answers, tokens)
+    if not trials[0]:
         raise ValueError("the n-gram store continues none of the held-out answers: nothing to measure")
-    rates = []
-    for j in range(tokens):  # deeper than any chain reached: the depth above
-        rates.append(fit_isotonic(torch.tensor(conf[j]), torch.tensor(hits[j]), edges) if hits[j] else rates[-1])
-    acceptance = Acceptance(tuple(edges), tuple(tuple(r) for r in rates))
-    t_conf, t_hits, t_roots = ngram_trials(store, test, tokens) if test else (conf, hits, roots)
-    predicted = [sum(acceptance.rate(j + 1, c) for c in cs) / len(cs) if cs else 0.0 for j, cs in enumerate(t_conf)]
+    pooled = _fit_depths(trials, edges)
+    orders = tuple(range(store.min_n, store.max_n + 1))
+    tables = tuple(_fit_depths([[x for x in t if x[0] == n] for t in trials], edges, pooled) for n in orders)
+    acceptance = PhraseAcceptance(orders, tables)
+    t_trials, t_roots = ngram_trials(store, test, tokens) if test else (trials, roots)
+    predicted = [sum(acceptance.rate(j + 1, n, c) for n, c, _ in t) / len(t) if t else 0.0 for j, t in enumerate(t_trials)]
     report = {"roots": roots, "entries": len(store), "min_n": store.min_n, "max_n": store.max_n,
-              "tried": [len(x) for x in hits], "accepted": [int(sum(x)) for x in hits],
+              "tried": [len(t) for t in trials], "accepted": [sum(a for _, _, a in t) for t in trials],
+              "first_by_order": {n: [sum(1 for m, _, _ in trials[0] if m == n), sum(a for m, _, a in trials[0] if m == n)]
+                                 for n in orders},
               "test": {"answers": "other held-out answers" if test else "the same answers", "roots": t_roots,
-                       "tried": [len(x) for x in t_hits], "observed": [round(sum(x) / len(x), 4) if x else 0.0 for x in t_hits],
+                       "tried": [len(t) for t in t_trials],
+                       "observed": [round(sum(a for _, _, a in t) / len(t), 4) if t else 0.0 for t in t_trials],
                        "predicted": [round(x, 4) for x in predicted]}}
     return acceptance, report
 
@@ -430,7 +446,7 @@ def measure_cost(target, heads, sizes: tuple[int, ...] = COST_SIZES, contexts: t
 
 
 def merge_adaptive(adaptive: dict | None, acceptance: Acceptance | None = None, lookup: LookupAcceptance | None = None,
-                   cost: tuple[str, CostModel] | None = None, ngrams: Acceptance | None = None) -> dict:
+                   cost: tuple[str, CostModel] | None = None, ngrams: PhraseAcceptance | None = None) -> dict:
     """config.adaptive with the parts given replaced; cost models are kept per kernels key, others left as they are."""
     out = dict(adaptive or {})
     if ngrams is not None:

@@ -192,7 +192,7 @@ def brief(part: str, detail: dict) -> dict:
         return {"method": detail["method"], "summary": detail["summary"], "held_out_positions": detail["held_out_positions"],
                 "temperatures": [r["T"] for r in detail["depths"]]}
     if part == "ngrams":
-        return {k: detail[k] for k in ("roots", "entries", "min_n", "max_n", "tried", "accepted", "test")}
+        return {k: detail[k] for k in ("roots", "entries", "min_n", "max_n", "tried", "accepted", "first_by_order", "test")}
     return {k: detail[k] for k in ("roots", "matched", "max_tokens", "max_ngram", "min_ngram", "walk")}
 
 
@@ -231,6 +231,8 @@ def ngram_table(detail: dict) -> str:
         if tried or t["tried"][j]:
             lines.append(f"{j + 1:>3}{tried:>12}{accepted:>10}{t['tried'][j]:>13}{t['observed'][j]:>10.3f}"
                          f"{t['predicted'][j]:>11.3f}")
+    first = ", ".join(f"{n}-grams {a / max(c, 1):.3f} of {c}" for n, (c, a) in detail["first_by_order"].items())
+    lines.append(f"j = 1 by the matched n-gram (fit): {first}; rates are fitted per matched length")
     return "\n".join(lines)
 
 
