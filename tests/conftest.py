@@ -81,3 +81,25 @@ def distilled_tiny_base(root, tokenizer, seed: int, prompts: list[str], max_new_
     distill(base, tokenizer, read_prompts(root / "p.jsonl"), root / "d.jsonl", max_new_tokens=max_new_tokens,
             batch_size=batch_size)
     return base
+
+
+def tiny_model_with_tokenizer(folder):
+    """The default model's tokenizer and a tiny Llama over its vocabulary, saved together to `folder` (a model the
+    command line can load by path)."""
+    from transformers import AutoTokenizer
+
+    from medusa_heads import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    base = tiny_model("llama", vocab_size=len(tok))
+    base.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return tok, base
+
+
+def rotated_conversations(n: int) -> list[dict]:
+    """n one-turn conversations p0.. whose answers are rotations of one sentence (a calibration's toy data)."""
+    words = "the cat sat on the mat and the dog sat on the log".split()
+    return [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Say something {i}"},
+                                          {"role": "assistant", "content": " ".join(words[i % 13:] + words[:i % 13])}]}
+            for i in range(n)]

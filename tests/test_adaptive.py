@@ -19,7 +19,7 @@ from medusa_heads.tree.buffers import build_buffers, from_parents
 from medusa_heads.tree.spec import TreeSpec
 
 from conftest import assert_diverges_only_at_a_near_tie, randomize_heads, tiny_model
-from test_sampling import DRAWS, NEW, SETTINGS, TREE, exact_joint, p_value
+from test_sampling import DRAWS, SETTINGS, TREE, exact_joint, p_value, sample_counts
 
 EDGES = (0.0, 0.1, 0.3, 0.6, 1.0)
 FLAT = CostModel(contexts=(0,), sizes=(1, 2, 32), ms=((10.0, 10.0, 12.0),), draft_ms=0.1)  # trees nearly free
@@ -344,13 +344,7 @@ def test_adaptive_sampling_is_exact_with_plain_steps_among_tree_steps():
     model = calibrated(base, cost, rates=(0.05, 0.4, 0.7, 0.95), std=1.0, tree=TREE)
     ids = torch.tensor([[1, 4, 2]])
     law = exact_joint(base, ids, **SETTINGS)
-    g = torch.Generator().manual_seed(99)
-    counts, sizes = {}, []
-    for _ in range(DRAWS):
-        res = model.generate(ids, max_new_tokens=NEW, generator=g, return_dict_in_generate=True, **SETTINGS)
-        key = tuple(res.sequences[0, ids.shape[1]:].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        sizes += res.stats.tree_sizes
+    counts, sizes, _ = sample_counts(model, ids, DRAWS, torch.Generator().manual_seed(99), **SETTINGS)
     assert 0 in sizes and max(sizes) >= 3, "the test must mix plain steps and tree steps"
     assert sum(1 for s in sizes if s) > DRAWS // 4
     assert p_value(law, counts) > 1e-3

@@ -16,7 +16,7 @@ from medusa_heads.calibration.measure import (
     fit_isotonic, fit_temperature, lookup_acceptance, measure_cost, merge_adaptive,
 )
 
-from conftest import randomize_heads, tiny_model
+from conftest import randomize_heads, rotated_conversations, tiny_model, tiny_model_with_tokenizer
 
 
 def test_isotonic_is_monotone_and_pools_violators_by_weight():
@@ -182,22 +182,13 @@ def test_cost_model_measured_stored_and_merged_by_kernels():
 
 
 def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
-    from transformers import AutoTokenizer
-
-    from medusa_heads import default_model_path
     from medusa_heads.cli import main
     from medusa_heads.inference.prepack import prepack_supported
     from medusa_heads.training.features import features_from_conversations
     from medusa_heads.calibration.measure import second_half
 
-    tok = AutoTokenizer.from_pretrained(default_model_path())
-    base = tiny_model("llama", vocab_size=len(tok))
-    base.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    words = "the cat sat on the mat and the dog sat on the log".split()
-    convs = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Say something {i}"},
-                                           {"role": "assistant", "content": " ".join(words[i:] + words[:i])}]}
-             for i in range(8)]
+    tok, base = tiny_model_with_tokenizer(tmp_path / "model")
+    convs = rotated_conversations(8)
     vocab = sorted({t for c in convs for m in c["messages"] for t in tok(m["content"])["input_ids"]} | {tok.eos_token_id})
     heads = MedusaModel.from_pretrained(base, heads=None, condition="path", draft_vocab=vocab)
     randomize_heads(heads, std=0.1).save_pretrained(tmp_path / "heads")

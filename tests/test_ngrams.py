@@ -12,9 +12,9 @@ from medusa_heads.checkpoint import NGRAMS_NAME, load_ngrams, save_ngrams
 from medusa_heads.tree.adaptive import Acceptance, CostModel, PhraseAcceptance
 from medusa_heads.tree.ngrams import NgramStore, max_order
 
-from conftest import tiny_model
+from conftest import rotated_conversations, tiny_model, tiny_model_with_tokenizer
 from test_adaptive import EDGES, FLAT, calibrated
-from test_sampling import DRAWS, NEW, SETTINGS, TREE, exact_joint, p_value
+from test_sampling import DRAWS, SETTINGS, TREE, exact_joint, p_value, sample_counts
 
 SURE = PhraseAcceptance((2,), (Acceptance(EDGES, ((0.9, 0.9, 0.9, 0.9),) * 8),))  # chains rated as nearly sure
 
@@ -153,12 +153,7 @@ def test_adaptive_sampling_is_exact_with_a_phrasebook():
     model.config.adaptive["ngrams"] = SURE.to_dict()
     ids = torch.tensor([[1, 4, 2]])
     law = exact_joint(base, ids, **SETTINGS)
-    counts, sizes = {}, []
-    for _ in range(DRAWS):
-        res = model.generate(ids, max_new_tokens=NEW, generator=g, return_dict_in_generate=True, **SETTINGS)
-        key = tuple(res.sequences[0, ids.shape[1]:].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        sizes += res.stats.tree_sizes
+    counts, sizes, _ = sample_counts(model, ids, DRAWS, g, **SETTINGS)
     assert max(sizes) >= 3, "the phrasebook's chains must be drafted"
     assert p_value(law, counts) > 1e-3
 
@@ -185,20 +180,11 @@ def test_the_phrasebooks_acceptance_is_measured_on_answers_it_did_not_learn():
 def test_calibrate_builds_the_phrasebook_measures_it_on_held_out_prompts_and_stores_both(tmp_path, capsys):
     import json
 
-    from transformers import AutoTokenizer
-
-    from medusa_heads import default_model_path
     from medusa_heads.cli import main
     from medusa_heads.training.data import is_eval
 
-    tok = AutoTokenizer.from_pretrained(default_model_path())
-    base = tiny_model("llama", vocab_size=len(tok))
-    base.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    words = "the cat sat on the mat and the dog sat on the log".split()
-    convs = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Say something {i}"},
-                                           {"role": "assistant", "content": " ".join(words[i % 13:] + words[:i % 13])}]}
-             for i in range(40)]
+    tok, base = tiny_model_with_tokenizer(tmp_path / "model")
+    convs = rotated_conversations(40)
     MedusaModel.from_pretrained(base, heads=None).save_pretrained(tmp_path / "heads")
     config = json.loads((tmp_path / "heads" / "config.json").read_text())
     config["extra"] = {"recipe": {"eval_fraction": 0.3}}

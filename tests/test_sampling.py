@@ -42,15 +42,22 @@ def exact_joint(base, ids, **settings) -> dict[tuple[int, ...], float]:
     return law
 
 
-def draws(model, ids, n, **kwargs) -> dict[tuple[int, ...], int]:
-    g = torch.Generator().manual_seed(1234)
+def sample_counts(model, ids, n, generator, **kwargs) -> tuple[dict[tuple[int, ...], int], list[int], int]:
+    """n samples of NEW tokens: how often each sequence came, every step's drafted tree size, and how many samples
+    took fewer forwards than tokens (accepted a drafted token)."""
     counts: dict[tuple[int, ...], int] = {}
-    accepted = 0
+    sizes, accepted = [], 0
     for _ in range(n):
-        res = model.generate(ids, max_new_tokens=NEW, generator=g, return_dict_in_generate=True, **kwargs)
+        res = model.generate(ids, max_new_tokens=NEW, generator=generator, return_dict_in_generate=True, **kwargs)
         key = tuple(res.sequences[0, ids.shape[1]:].tolist())
         counts[key] = counts.get(key, 0) + 1
+        sizes += res.stats.tree_sizes
         accepted += res.stats.steps < NEW
+    return counts, sizes, accepted
+
+
+def draws(model, ids, n, **kwargs) -> dict[tuple[int, ...], int]:
+    counts, _, accepted = sample_counts(model, ids, n, torch.Generator().manual_seed(1234), **kwargs)
     assert accepted > n // 10, "the test must exercise acceptance of drafted tokens"
     return counts
 
