@@ -17,4 +17,4 @@ def test_no_unpickling_anywhere_in_the_package():
 
 def test_shipped_heads_are_safetensors_only():
     shipped = sorted(p.name for p in (ROOT / "medusa_heads" / "default_heads").iterdir() if not p.name.startswith("."))
-    assert shipped == ["config.json", "heads.safetensors"]
+    assert shipped == ["config.json", "heads.safetensors", "ngrams.safetensors"]
