@@ -12,12 +12,18 @@ like Sequoia's trees by a measured cost model).
    plain step) that maximises expected tokens per millisecond under the stored cost model.
 4. Learn: after the verify, observed acceptance corrects the calibration for the rest of this call.
 
+In a batch every row drafts its candidates the same way, and one size n is chosen for all (the rows' trees are
+padded to a common size in one verify): the n that maximises the rows' expected tokens together per millisecond
+of the batch's measured verify (CostModel.batches), each row keeping its n most valuable candidates. On a CPU a
+batch's verify is compute-bound at a few rows, so its trees come out smaller, down to plain steps.
+
 The tree depends on the drafts, the context length, the stored cost model and earlier steps' acceptance, never on
 the target's output at this step nor on live timings: output stays exactly the target's, and a seed reproduces
 a sample."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -99,7 +105,8 @@ class AdaptiveDrafter:
     def __init__(self, heads: MedusaHeads, acceptance: Acceptance, cost: CostModel,
                  lookup: LookupAcceptance | None = None, lookup_tokens: int = 0, max_ngram: int = MAX_NGRAM,
                  min_ngram: int = 1, topk: int = 4, beam: int = 4, lookup_branches: int = 1,
-                 phrases: NgramStore | None = None, phrase_acceptance: PhraseAcceptance | None = None) -> None:
+                 phrases: NgramStore | None = None, phrase_acceptance: PhraseAcceptance | None = None,
+                 rows: int = 1) -> None:
         if topk < 1 or beam < 1 or lookup_branches < 1:
             raise ValueError(f"topk, beam and lookup_branches must be >= 1, got {topk}, {beam} and {lookup_branches}")
         if lookup_tokens and lookup is None:
@@ -117,49 +124,91 @@ class AdaptiveDrafter:
         self.phrase_slot = self.depth + 2  # the phrasebook's own tokens
         self.raised = {0: self.repeat, self.phrase_slot: self.depth + 3}  # a source -> the slot of children it raised
         self.correction = Correction(self.depth + 4)
+        self.rows = rows  # the batch's rows: every one is verified, the finished ones with their root alone
         self._top_rate = acceptance.table().max(dim=1).values.tolist()  # per depth: the most a node can be accepted
         self._drafted: list[tuple[list[int], list[float], list[int]]] = []  # per row: parents, worth, slot
 
     def draft(self, hidden: torch.Tensor, sequences: list[torch.Tensor], buffers: TreeBuffers) -> list[Draft]:
         self._drafted = []
-        return [self._draft_row(hidden[b], seq) for b, seq in enumerate(sequences)]
+        if self.rows == 1 and len(sequences) == 1:
+            return [self._draft_row(hidden[0], sequences[0])]
+        return self._draft_batch(hidden, sequences)
 
     @torch.no_grad()
     def _draft_row(self, h: torch.Tensor, sequence: torch.Tensor) -> Draft:
-        device = h.device
-        tok, par, val, slot = [int(sequence[-1])], [-1], [1.0], [0]  # candidates; node 0 is the root
-        paths = [[tok[0]]]  # each candidate's tokens from the root (drafted ones: lookup's come after)
         verify_ms = self.cost.verify_ms(sequence.shape[0] - 1).tolist()  # 1..max_size tree tokens
-        frontier, levels = [0], 0
-        for d in range(1, self.depth + 1):
-            if not frontier or not self._worth_drafting(d, val, frontier, self._step_ms(verify_ms, levels)):
-                break
-            context = torch.tensor([paths[i] for i in frontier], device=device)  # (F, d): root .. parent
-            logits = self.heads.head_logits(d - 1, h.expand(len(frontier), -1), context)  # (F, V')
-            probs, ranks = logits.float().softmax(-1).topk(self.topk, dim=-1)  # (F, k)
-            ids = self.heads.token_ids(ranks).tolist()
-            rates = self.correction.rates(d, self._rates(d, logits, probs, frontier, val, par))
-            worth = (torch.tensor([val[i] for i in frontier])[:, None] * rates.cpu()).tolist()
-            levels += 1
-            level = []
-            for f, parent in enumerate(frontier):
-                for j in range(self.topk):
-                    level.append(len(tok))
-                    tok.append(ids[f][j]), par.append(parent), val.append(worth[f][j]), slot.append(d)
-                    paths.append(paths[parent] + [ids[f][j]])
-            frontier = sorted(level, key=lambda i: -val[i])[: self.beam]
-        if self.lookup_tokens or self.phrases is not None:
-            self._merge_lookup(sequence, tok, par, val, slot, paths)
+        found = self._row_candidates(h, sequence, verify_ms)
+        n = best_size(torch.tensor(found.values), torch.tensor(self._step_ms(verify_ms, found.levels)))
+        return self._keep(found, n, h.device)
 
-        order = sorted(range(1, len(tok)), key=lambda i: (-val[i], len(paths[i])))[: self.cost.max_size - 1]
-        step_ms = self._step_ms(verify_ms, levels)
-        n = best_size(torch.tensor([val[i] for i in order]), torch.tensor(step_ms))
-        keep = order[:n]  # parents before children: worth never grows down a path, ties go to the shallower
+    @torch.no_grad()
+    def _draft_batch(self, hidden: torch.Tensor, sequences: list[torch.Tensor]) -> list[Draft]:
+        """One size for all rows (see the module's docstring): every running row's candidates (`sequences`; the
+        verify holds all `self.rows`), then the n in 0..S - 1 that gives the most expected tokens of the running rows
+        per millisecond of the batch's step, each row's first n."""
+        verify_ms = self.cost.verify_ms(max(s.shape[0] for s in sequences) - 1, max(self.rows, len(sequences))).tolist()
+        found = self._candidates_rows(hidden, sequences, verify_ms)
+        sizes = len(verify_ms)
+        tau = torch.full((sizes,), float(len(sequences)), dtype=torch.float64)  # every running row's root
+        for f in found:
+            worth = torch.tensor(f.values[: sizes - 1], dtype=torch.float64).cumsum(0)
+            tau[1:] += torch.cat([worth, worth[-1:].expand(sizes - 1 - worth.shape[0])]) if worth.shape[0] else 0.0
+        step_ms = self._step_ms(verify_ms, sum(f.levels for f in found))
+        n = int((tau / torch.tensor(step_ms, dtype=torch.float64)).argmax())
+        return [self._keep(f, n, sequences[0].device) for f in found]
+
+    def _keep(self, found: "Candidates", n: int, device: torch.device) -> Draft:
+        """The tree of `found`'s first n candidates (parents before children), recorded for update()."""
+        tok, par, val, slot = found.tok, found.par, found.val, found.slot
+        keep = found.order[:n]  # parents before children: worth never grows down a path, ties go to the shallower
         index = {c: i + 1 for i, c in enumerate(keep)}
         parents = (-1, *(index[par[c]] if par[c] else 0 for c in keep))
         self._drafted.append((list(parents), [1.0] + [val[c] for c in keep], [0] + [slot[c] for c in keep]))
         tokens = torch.tensor([tok[c] for c in keep], dtype=torch.long, device=device)
         return Draft(tokens, from_parents(parents, device))
+
+    def _row_candidates(self, h: torch.Tensor, sequence: torch.Tensor, verify_ms: list[float]) -> "Candidates":
+        """This row's candidates (see _candidates_rows)."""
+        return self._candidates_rows(h[None], [sequence], verify_ms)[0]
+
+    def _candidates_rows(self, hidden: torch.Tensor, sequences: list[torch.Tensor], verify_ms: list[float]) -> list["Candidates"]:
+        """Each row's candidates for a step whose verify costs verify_ms (1..S tree tokens): the heads' level by
+        level while a level could pay for the row (_worth_drafting), the lookup's and the phrasebook's merged in, and
+        the S - 1 most valuable in order. A level runs once for all the rows that draft it (a head reads its weights
+        once however many rows it scores: a drafting level is memory-bound)."""
+        device = hidden.device
+        rows = [_Row(int(seq[-1])) for seq in sequences]
+        for d in range(1, self.depth + 1):
+            drafting = [(b, r) for b, r in enumerate(rows)
+                        if r.frontier and self._worth_drafting(d, r.val, r.frontier, self._step_ms(verify_ms, r.levels))]
+            if not drafting:
+                break
+            context = torch.tensor([r.paths[i] for _, r in drafting for i in r.frontier], device=device)  # (F, d)
+            h = torch.cat([hidden[b].expand(len(r.frontier), -1) for b, r in drafting])  # each parent's row state
+            logits = self.heads.head_logits(d - 1, h, context)  # (F, V')
+            probs, ranks = logits.float().softmax(-1).topk(self.topk, dim=-1)  # (F, k)
+            ids = self.heads.token_ids(ranks).tolist()
+            start = 0
+            for _, r in drafting:
+                part = slice(start, start + len(r.frontier))
+                start = part.stop
+                rates = self.correction.rates(d, self._rates(d, logits[part], probs[part], r.frontier, r.val, r.par))
+                worth = (torch.tensor([r.val[i] for i in r.frontier])[:, None] * rates.cpu()).tolist()
+                r.levels += 1
+                level = []
+                for f, (parent, row_ids) in enumerate(zip(r.frontier, ids[part])):
+                    for j in range(self.topk):
+                        level.append(len(r.tok))
+                        r.tok.append(row_ids[j]), r.par.append(parent), r.val.append(worth[f][j]), r.slot.append(d)
+                        r.paths.append(r.paths[parent] + [row_ids[j]])
+                r.frontier = sorted(level, key=lambda i: -r.val[i])[: self.beam]
+        out = []
+        for r, sequence in zip(rows, sequences):
+            if self.lookup_tokens or self.phrases is not None:
+                self._merge_lookup(sequence, r.tok, r.par, r.val, r.slot, r.paths)
+            order = sorted(range(1, len(r.tok)), key=lambda i: (-r.val[i], len(r.paths[i])))[: len(verify_ms) - 1]
+            out.append(Candidates(r.tok, r.par, r.val, r.slot, order, [r.val[i] for i in order], r.levels))
+        return out
 
     def _rates(self, d: int, logits: torch.Tensor, probs: torch.Tensor, frontier: list[int], val: list[float],
                par: list[int]) -> torch.Tensor:
@@ -262,6 +311,31 @@ class AdaptiveDrafter:
                     rate = worth[child] / max(worth[node], 1e-12)
                     self.correction.add(slot[child], rate, float(child == nxt))
         self.correction.fit()
+
+
+@dataclass
+class Candidates:
+    """One row's candidates for a step (node 0 is the root): token, parent, worth and slot of each, the best
+    S - 1 of them in order (`order`, parents before children) with their worth (`values`), and the drafting
+    levels run."""
+
+    tok: list[int]
+    par: list[int]
+    val: list[float]
+    slot: list[int]
+    order: list[int]
+    values: list[float]
+    levels: int
+
+
+class _Row:
+    """A row's candidates while its levels are drafted: node 0 is the root; `paths` holds each candidate's tokens
+    from the root (the drafted ones: the lookup's come after), `frontier` the parents of the next level."""
+
+    def __init__(self, root: int) -> None:
+        self.tok, self.par, self.val, self.slot = [root], [-1], [1.0], [0]
+        self.paths = [[root]]
+        self.frontier, self.levels = [0], 0
 
 
 def _rescale(node: int, factor: float, val: list[float], children: dict[int, dict[int, int]]) -> None:

@@ -9,10 +9,9 @@ import time
 
 import torch
 from einops import repeat
-from transformers.cache_utils import DynamicLayer
 
-from medusa_heads.tree.buffers import TreeBuffers
-from medusa_heads.inference.cache import keep_accepted, new_cache
+from medusa_heads.tree.buffers import TreeBuffers, from_parents
+from medusa_heads.inference.cache import PreallocatedLayer, keep_accepted, new_cache
 from medusa_heads.inference.decode import AcceptRule, DecodeState, DecodeStats, emit
 from medusa_heads.inference.propose import Draft, Drafter
 from medusa_heads.inference.sampling import process_tree
@@ -39,8 +38,10 @@ def decode_batch(
     device = input_ids.device
     if not bool(attention_mask[:, -1].all()):
         raise ValueError("batched prompts must be left-padded: the last position of every row must be a real token")
-    cache = new_cache(target.model)  # grows with the holes; a preallocated one would have to assume the worst
-    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    # written in place, not grown by torch.cat at every forward (which copies every row's keys and values each step);
+    # the holes take more slots than the rows' tokens, and past the guess a layer doubles
+    cache = new_cache(target.model, prompt_len + 2 * max_new_tokens + buffers.size)
+    odd = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, PreallocatedLayer)})
     if odd:
         raise NotImplementedError(f"batched generation needs full-attention cache layers; this model has {', '.join(odd)}")
 
@@ -64,9 +65,13 @@ def decode_batch(
     stats.seconds["prefill"] += clock() - t0
 
     while not all(s.done for s in states):
-        # 1. propose: every row's tree (finished rows ride along and are dropped below)
+        # 1. propose: every running row's tree (finished rows ride along with their root alone, dropped below)
         t0 = clock()
-        drafts = drafter.draft(torch.stack([s.hidden for s in states]), [s.sequence[: s.length] for s in states], buffers)
+        running = [b for b, s in enumerate(states) if not s.done]
+        drafts = [Draft(sequences.new_zeros(0), from_parents((-1,), device))] * b_size
+        for b, d in zip(running, drafter.draft(torch.stack([states[b].hidden for b in running]),
+                                               [states[b].sequence[: states[b].length] for b in running], buffers)):
+            drafts[b] = d
         trees, masks, depths = pad_trees(drafts, [s.sequence[s.length - 1] for s in states])  # (B, T), (B, T, T), (B, T)
         # 2. verify: one forward over every row's tree, each at its own position
         t1 = clock()
@@ -89,7 +94,7 @@ def decode_batch(
             s.hidden = out.hidden[b, nodes[-1]]
             emitted, active = emitted + len(chunk), active + 1
             stats.tree_sizes.append(step.size - 1)
-        drafter.update(keeps)
+        drafter.update([keeps[b] for b in running])
         # 4. commit: each row keeps its accepted entries; shorter paths leave holes that `valid` hides
         t3 = clock()
         m = max(k.shape[0] for k in keeps)

@@ -190,14 +190,15 @@ class MedusaModel(nn.Module):
             save_ngrams(out, self.phrases)
         return out
 
-    def _adaptive_drafter(self, lookup: int, ngram: int) -> AdaptiveDrafter:
-        """A drafter for one call (it learns from the call's own acceptance)."""
+    def _adaptive_drafter(self, lookup: int, ngram: int, rows: int = 1) -> AdaptiveDrafter:
+        """A drafter for one call (it learns from the call's own acceptance) of `rows` rows."""
         acceptance, table, cost = self._adaptive_config()
         phrases = self.phrasebook()
         rates = PhraseAcceptance.from_dict(self.config.adaptive["ngrams"]) if phrases is not None else None
         return AdaptiveDrafter(self.heads, acceptance, cost, table, lookup,
                                max_ngram=ngram, min_ngram=min(ngram, table.ngrams[0]) if table is not None else 1,
-                               lookup_branches=self.config.lookup_branches, phrases=phrases, phrase_acceptance=rates)
+                               lookup_branches=self.config.lookup_branches, phrases=phrases, phrase_acceptance=rates,
+                               rows=rows)
 
     def phrasebook(self) -> NgramStore | None:
         """The phrasebook that drafts in the per-step tree (unbatched): the store, where its acceptance was
@@ -265,9 +266,11 @@ class MedusaModel(nn.Module):
         acceptance="typical" (Medusa's typical acceptance: faster, lossy).
         prompt_lookup_num_tokens=N (as in transformers) adds up to N tokens copied from the text so far after the
         latest earlier occurrence of its last MAX_NGRAM (3, max_matching_ngram_size) down to MIN_NGRAM (2) tokens, merged into the heads' tree;
-        output is unchanged, only tau. Unset, it is the heads' config.lookup_tokens (unbatched generation only).
-        With tree "adaptive" (the default for calibrated heads) each unbatched step chooses its own tree, lookup
-        included; batches draft the fixed tree."""
+        output is unchanged, only tau. Unset, it is the heads' config.lookup_tokens (in batches, only where they
+        draft per-step trees).
+        With tree "adaptive" (the default for calibrated heads) each step chooses its own tree, lookup included; a
+        batch chooses one size for all its rows, where the heads were calibrated for batches of these kernels
+        (`medusa-heads calibrate --parts batch`), and drafts the fixed tree otherwise."""
         gc = self.generation_config_for(generation_config, **kwargs)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
@@ -305,11 +308,13 @@ class MedusaModel(nn.Module):
         buffers = self.tree_buffers if self.tree_buffers.mask.device == device else self.tree_buffers.to(device)
         processors = build_processors(gc, input_ids.shape[1], logits_processor)
         lookup = gc.prompt_lookup_num_tokens
-        if lookup is None and not batched:
+        cost = self.cost_model() if self.adaptive else None
+        adaptive = cost is not None and (not batched or cost.batched)
+        if lookup is None and (not batched or adaptive):
             lookup = self.config.lookup_tokens
         ngram = gc.max_matching_ngram_size or MAX_NGRAM
-        if drafter is None and self.adaptive and not batched:  # this step's tree from the heads' confidence
-            drafter = self._adaptive_drafter(lookup or 0, ngram)
+        if drafter is None and adaptive:  # this step's tree from the heads' confidence
+            drafter = self._adaptive_drafter(lookup or 0, ngram, rows=input_ids.shape[0])
         elif lookup:  # the heads' tree plus a continuation copied from the text so far, grown row by row
             drafter = LookupDrafter(drafter or HeadsDrafter(self.heads), lookup, max_ngram=ngram, min_ngram=min(MIN_NGRAM, ngram))
         drafter = drafter or HeadsDrafter(self.heads)

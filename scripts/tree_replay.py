@@ -32,6 +32,7 @@ from medusa_heads.calibration.measure import second_half
 from medusa_heads.default_model import default_heads_path
 from medusa_heads.inference import adaptive
 from medusa_heads.inference.adaptive import AdaptiveDrafter
+from medusa_heads.inference.prepack import stock_kernels
 from medusa_heads.inference.propose import MAX_NGRAM, lookup_match
 from medusa_heads.loading import load_tokenizer
 from medusa_heads.prompting import conversation_ids, mask_runs
@@ -101,6 +102,8 @@ def main() -> None:
     p.add_argument("--lookup", type=int, default=None, help="prompt-lookup tokens (default: the heads' config)")
     p.add_argument("--lookup-branches", type=int, default=None, help="prompt-lookup continuations (default: the heads' config)")
     p.add_argument("--prior", type=float, default=None, help="the online correction's prior, in observations (default: the drafter's)")
+    p.add_argument("--no-phrasebook", action="store_true", help="draft without the heads' phrasebook")
+    p.add_argument("--stock", action="store_true", help="size the trees by the stock kernels' cost model")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -110,6 +113,8 @@ def main() -> None:
     if args.prior is not None:
         adaptive.PRIOR = args.prior  # Correction.fit reads it at every fit
     model = MedusaModel.from_pretrained(args.model, **({"heads": args.heads} if args.heads else {}))
+    if args.stock:  # the stock kernels' cost model sizes the trees (the hidden states are the same either way)
+        stock_kernels(model.base_model).__enter__()
     tok = load_tokenizer(args.model)
     excluded = {r.id for f in args.exclude for r in read_prompts(f)}
     conversations = [c for c in held_out_conversations(read_conversations(args.data), args.heads or default_heads_path())
@@ -134,6 +139,8 @@ def main() -> None:
         lookup = model.config.lookup_tokens if args.lookup is None else args.lookup
         drafter = model._adaptive_drafter(lookup, MAX_NGRAM)  # as generate makes it, then with the recording added
         drafter.__class__, drafter.score = Replay, score
+        if args.no_phrasebook:
+            drafter.phrases = drafter.phrase_acceptance = None
         drafter.branches = args.lookup_branches or drafter.branches
         drafter.topk, drafter.beam = args.topk or drafter.topk, args.beam or drafter.beam
         for start, end in mask_runs(mask):

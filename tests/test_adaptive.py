@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path, prompt_ids
-from medusa_heads.inference.adaptive import PRIOR, AdaptiveDrafter, Correction
+from medusa_heads.inference.adaptive import PRIOR, AdaptiveDrafter, Candidates, Correction
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked
 from medusa_heads.inference.propose import Draft, RowDrafter
 from medusa_heads.tree.adaptive import (
@@ -389,6 +389,122 @@ def test_batched_rows_may_draft_trees_of_different_shapes():
     lookup = model.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0, eos_token_id=None,
                             prompt_lookup_num_tokens=5)  # the lookup grows each row's tree differently
     assert torch.equal(lookup, ref)
+
+
+def test_a_batch_cost_model_interpolates_rows_and_round_trips():
+    one = CostModel(contexts=(0,), sizes=(1, 4), ms=((10.0, 13.0),))
+    two = CostModel(contexts=(0,), sizes=(1, 3), ms=((12.0, 20.0),))
+    four = CostModel(contexts=(0,), sizes=(1, 3), ms=((16.0, 40.0),))
+    cost = one.with_batches({4: four, 2: two})
+    assert [b for b, _ in cost.batches] == [2, 4] and cost.batched and not one.batched
+    assert cost.verify_ms(0).tolist() == pytest.approx([10, 11, 12, 13])  # one row: the model itself
+    assert cost.verify_ms(0, rows=2).tolist() == pytest.approx([12, 16, 20])  # a batch's sizes: its own table's
+    assert cost.verify_ms(0, rows=3).tolist() == pytest.approx([14, 22, 30])  # between measured row counts
+    assert cost.verify_ms(0, rows=8).tolist() == pytest.approx([24, 52, 80])  # beyond: extrapolated, as compute grows
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    assert CostModel.from_dict(one.to_dict()) == one and "batches" not in one.to_dict()  # older configs
+    with pytest.raises(ValueError, match="measured one row only"):
+        one.verify_ms(0, rows=2)
+    with pytest.raises(ValueError, match="increasing row counts of 2 or more"):
+        one.with_batches({1: two})
+    with pytest.raises(ValueError, match="batches of its own"):
+        one.with_batches({2: cost})
+
+
+BATCH_FLAT = FLAT.with_batches({2: FLAT, 8: FLAT})  # a batch's trees nearly free as well
+BATCH_STEEP = FLAT.with_batches({2: STEEP, 8: STEEP})  # trees free for one row, dear for a batch
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_batch_chooses_one_tree_size_for_its_rows_and_keeps_greedy_output(arch):
+    base = tiny_model(arch, seed=2)
+    motifs = torch.randint(3, 90, (3, 5), generator=torch.Generator().manual_seed(4))
+    ids = torch.cat([motifs, motifs, motifs[:, :2]], dim=1)  # each row repeats itself: the lookup finds continuations
+    mask = torch.ones_like(ids)
+    mask[2, :3], ids[2, :3] = 0, 0  # left padding
+    ref = base.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)
+    for cost in (BATCH_FLAT, BATCH_STEEP):
+        model, tau = calibrated(base, cost), {}
+        for lookup in (0, 6):
+            res = model.generate(ids, attention_mask=mask, max_new_tokens=30, pad_token_id=0, eos_token_id=None,
+                                 prompt_lookup_num_tokens=lookup, return_dict_in_generate=True)
+            assert torch.equal(res.sequences, ref), f"{arch}, lookup {lookup}"
+            sizes = res.stats.tree_sizes
+            if cost is BATCH_STEEP:
+                assert set(sizes) == {0}, "a node that costs a batch two plain steps is never worth drafting"
+            else:
+                assert len(set(sizes)) > 2 and max(sizes) > 6, sizes
+                tau[lookup] = res.stats.mean_accepted
+        if cost is BATCH_FLAT:
+            assert tau[6] > tau[0] * 1.1, f"the rows accept their lookups' continuations: {tau}"
+        # one row alone still reads the one-row table, where trees are cheap
+        alone = model.generate(ids[:1], max_new_tokens=30, eos_token_id=None, return_dict_in_generate=True)
+        assert torch.equal(alone.sequences, ref[:1]) and max(alone.stats.tree_sizes) > 0
+
+
+def test_rows_of_a_batch_share_one_size_and_the_best_per_millisecond():
+    """Two rows' candidates: the size maximises the rows' expected tokens together per millisecond of the batch's
+    step, and a row with fewer candidates than that keeps what it has."""
+    model = calibrated(tiny_model(), BATCH_FLAT, num_heads=2)
+    two = CostModel(contexts=(0,), sizes=(1, 2, 3, 4, 5), ms=((10.0, 10.0, 16.0, 17.0, 30.0),))
+    drafter = AdaptiveDrafter(model.heads, model._adaptive_config()[0], FLAT.with_batches({2: two}), topk=2, beam=2)
+    found = {0: [0.9, 0.2, 0.1, 0.1], 1: [0.8]}
+    drafter._candidates_rows = lambda hidden, seqs, verify_ms: [Candidates(
+        [0] + [5] * len(found[h]), [-1] + [0] * len(found[h]), [1.0, *found[h]], [0] * (len(found[h]) + 1),
+        list(range(1, len(found[h]) + 1)), found[h], 0) for h in hidden]
+    drafts = drafter._draft_batch([0, 1], [torch.zeros(4, dtype=torch.long)] * 2)
+    # tokens per ms (no levels drafted, no overhead): n=0: 2/10, n=1: 3.7/10, n=2: 3.9/16, n=3: 4.0/17
+    assert [d.tokens.shape[0] for d in drafts] == [1, 1]
+    two = CostModel(contexts=(0,), sizes=(1, 2, 3, 4, 5), ms=((10.0, 10.0, 10.0, 10.5, 30.0),))
+    drafter.cost = FLAT.with_batches({2: two})  # now n=2: 3.9/10 beats n=1: 3.7/10 and n=3: 4.0/10.5
+    assert [d.tokens.shape[0] for d in drafter._draft_batch([0, 1], [torch.zeros(4, dtype=torch.long)] * 2)] == [2, 1]
+
+
+def test_batched_adaptive_sampling_is_exact_with_plain_steps_among_tree_steps():
+    """The joint law of a padded row's first tokens, sampled beside another row with per-step trees for the batch:
+    trees are cheap after 4 cached tokens per row (the first step) and dear from 5 on, so plain steps follow."""
+    base = tiny_model("llama", seed=5, vocab_size=6, initializer_range=0.6)
+    mixed = CostModel(contexts=(4, 5), sizes=(1, 2, 4, 32), ms=((10.0, 10.5, 11.0, 60.0), (10.0, 40.0, 80.0, 500.0)))
+    model = calibrated(base, FLAT.with_batches({2: mixed}), rates=(0.05, 0.4, 0.7, 0.95), std=1.0, tree=TREE)
+    law = exact_joint(base, torch.tensor([[1, 4, 2]]), **SETTINGS)
+    ids, mask = torch.tensor([[0, 1, 4, 2], [3, 5, 1, 1]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    g = torch.Generator().manual_seed(99)
+    counts, sizes = {}, []
+    for _ in range(2500):
+        res = model.generate(ids, attention_mask=mask, max_new_tokens=3, generator=g, pad_token_id=0, eos_token_id=None,
+                             return_dict_in_generate=True, **SETTINGS)
+        key = tuple(res.sequences[0, 4:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        sizes += res.stats.tree_sizes
+    assert 0 in sizes and max(sizes) >= 3, "the test must mix plain steps and tree steps"
+    assert p_value(law, counts) > 1e-3
+
+
+def test_a_batch_drafts_each_level_once_for_its_rows_and_each_row_as_alone():
+    model = calibrated(tiny_model(), BATCH_FLAT, rates=(0.1, 0.4, 0.7, 0.97), num_heads=4, std=0.5)
+    drafter = AdaptiveDrafter(model.heads, model._adaptive_config()[0], BATCH_FLAT, topk=3, beam=3)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(4, 32, generator=g) * torch.tensor([0.3, 1.0, 3.0, 10.0])[:, None]
+    sequences = [torch.randint(0, 96, (n,), generator=g) for n in (5, 9, 12, 7)]
+    verify_ms = BATCH_FLAT.verify_ms(12, rows=4).tolist()
+    calls, real = [], model.heads.head_logits
+    model.heads.head_logits = lambda k, *a: calls.append(k) or real(k, *a)
+    together = drafter._candidates_rows(hidden, sequences, verify_ms)
+    assert calls == sorted(set(calls)), "one call per level for all the rows"
+    for b, found in enumerate(together):
+        alone = drafter._row_candidates(hidden[b], sequences[b], verify_ms)
+        assert found.tok == alone.tok and found.par == alone.par and found.levels == alone.levels
+        assert found.values == pytest.approx(alone.values, rel=1e-4)
+
+
+def test_batches_without_a_batch_cost_draft_the_fixed_tree():
+    base = tiny_model("llama", seed=3)
+    model = calibrated(base, FLAT)  # one row measured only
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(1))
+    res = model.generate(ids, max_new_tokens=12, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True)
+    assert set(res.stats.tree_sizes) == {model.tree.num_nodes}
+    assert torch.equal(res.sequences, base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                                    do_sample=False, pad_token_id=0, eos_token_id=None))
 
 
 def test_new_heads_fit_the_default_tree_and_adaptive_needs_a_calibration():

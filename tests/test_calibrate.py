@@ -207,6 +207,9 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     assert "acceptance given the parent accepted" in out and "prompt lookup" in out and "verify ms (stock-float32-cpu-" in out
     no_data = [str(tmp_path / "missing.jsonl") if a == str(tmp_path / "data.jsonl") else a for a in common]
     main(no_data + ["--parts", "cost", "--prepack"])  # timings need no conversations
+    main(no_data + ["--parts", "batch", "--no-prepack", "--batch-rows", "2,3"])  # added to the stock cost model
+    with pytest.raises(SystemExit, match="--batch-rows takes increasing batch sizes of 2 or more"):
+        main(no_data + ["--parts", "batch", "--batch-rows", "4,1"])
     with pytest.raises(SystemExit, match="missing.jsonl: no such file"):
         main(no_data + ["--parts", "lookup"])
     saved = MedusaConfig.load(tmp_path / "heads" / "config.json")
@@ -219,9 +222,13 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     assert LookupAcceptance.from_dict(saved.adaptive["lookup"]).ngrams == (1, 2, 3)
     cost = CostModel.from_dict(saved.adaptive["cost"][f"stock-float32-cpu-{isa}"])
     assert cost.contexts == (8, 16) and cost.sizes[-1] == 32 and cost.overhead_ms == 3.0
+    assert [b for b, _ in cost.batches] == [2, 3] and cost.batched and cost.verify_ms(8, rows=2).shape == (16,)
+    assert cost.batches[0][1].sizes[-1] == 16 and cost.batches[0][1].draft_ms == cost.draft_ms
+    assert saved.extra["adaptive_calibration"]["cost"][f"stock-float32-cpu-{isa}"]["repeats"] == 1  # kept beside the batch's
     assert saved.extra["adaptive_calibration"]["acceptance"]["method"] in ("isotonic", "temperature")
     report = (tmp_path / "report" / "report.md").read_text()
     assert all(f"## Cost: {k}" in report for k in kernels) and "## Prompt lookup" in report and "| 4 |" in report
+    assert f"## Cost of a batch: stock-float32-cpu-{isa}" in report and "| 3 rows, ctx 256 | 3 rows, ctx 1024 |" in report
     assert (tmp_path / "report" / "reliability.png").stat().st_size > 1000
 
     features_from_conversations(base, tok, convs[:6], tmp_path / "part")  # held-out answers without features are said

@@ -9,6 +9,7 @@ set of nodes then yields 1 + sum of its nodes' worth tokens in expectation, and 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -145,7 +146,13 @@ class CostModel:
       other kernels (one row), and in bf16 on a CPU another attention path, which at long contexts costs more than
       a 2-token tree (results/bf16/one_token.md); pooled with the trees, it would be charged what they cost.
     - "line": a least-squares line through the tree sizes (>= 2), never below a plain step (heads calibrated
-      before "steps" existed)."""
+      before "steps" existed).
+
+    `batches` holds the same for a batch's verify: for B rows (2, 4, 8 as calibrate measures them), one forward over
+    each row's tree padded to a common size, its milliseconds by that size (size 1: a batched plain step). On a CPU
+    a batch is compute-bound at a few rows, so what a tree costs there is another curve: on two AVX-512 cores, 6
+    tokens for each of 4 rows cost 1.6x a plain step of the 4 (for one row: 0.96x). Without it, batches draft a
+    fixed tree."""
 
     contexts: tuple[int, ...]  # cached tokens measured, increasing
     sizes: tuple[int, ...]  # tree tokens measured (root included), increasing, starting at 1
@@ -153,8 +160,14 @@ class CostModel:
     draft_ms: float = 0.0  # one level of drafting (a head over the level's parents)
     overhead_ms: float = 0.0  # per-step work besides verify and drafting (accept, commit, Python)
     fit: str = "steps"  # how timings are smoothed over sizes: "steps" or "line" (see above)
+    batches: tuple[tuple[int, "CostModel"], ...] = ()  # (rows B, the cost of verifying B rows' trees at once)
 
     def __post_init__(self) -> None:
+        rows = [b for b, _ in self.batches]
+        if rows != sorted(set(rows)) or any(b < 2 for b in rows):
+            raise ValueError(f"cost model batches must be for increasing row counts of 2 or more, got {rows}")
+        if any(c.batches for _, c in self.batches):
+            raise ValueError("a batch's cost model cannot hold batches of its own")
         if self.fit not in FITS:
             raise ValueError(f"cost model fit must be one of {FITS}, got {self.fit!r}")
         if not self.contexts or list(self.contexts) != sorted(set(self.contexts)):
@@ -168,9 +181,29 @@ class CostModel:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def verify_ms(self, context: int) -> torch.Tensor:
-        """(max_size,) verify milliseconds for 1..max_size tree tokens after `context` cached tokens (linear in
-        both; beyond the measured contexts, extrapolated from the last two; over sizes, smoothed by `fit`)."""
+    @property
+    def batched(self) -> bool:
+        """Whether batches were measured (else a tree for a batch cannot be sized)."""
+        return bool(self.batches)
+
+    def verify_ms(self, context: int, rows: int = 1) -> torch.Tensor:
+        """(S,) verify milliseconds for 1..S tree tokens (per row) after `context` cached tokens, for `rows` rows.
+        One row: S = max_size, linear over the measured contexts (beyond them, extrapolated from the last two),
+        smoothed over sizes by `fit`. More rows: linear between the measured row counts (one row is this model
+        itself; beyond the last, extrapolated from the last two, as a compute-bound forward grows), S the smallest
+        max_size of the two. Raises for rows > 1 where no batch was measured."""
+        if rows <= 1:
+            return self._one_row(context)
+        if not self.batches:
+            raise ValueError("this cost model measured one row only: run medusa-heads calibrate --parts batch")
+        tables = [(1, self), *self.batches]
+        i = min(max(bisect.bisect_right([b for b, _ in tables], rows) - 1, 0), len(tables) - 2)
+        (b0, c0), (b1, c1) = tables[i], tables[i + 1]
+        v0, v1 = c0._one_row(context), c1._one_row(context)
+        n = min(v0.shape[0], v1.shape[0])
+        return torch.lerp(v0[:n], v1[:n], (rows - b0) / (b1 - b0))
+
+    def _one_row(self, context: int) -> torch.Tensor:
         rows = self._by_size  # (C, max_size)
         if len(self.contexts) == 1:
             return rows[0]
@@ -203,13 +236,22 @@ class CostModel:
         return torch.stack(rows).float()
 
     def to_dict(self) -> dict:
-        return {"contexts": list(self.contexts), "sizes": list(self.sizes), "ms": [list(r) for r in self.ms],
-                "draft_ms": self.draft_ms, "overhead_ms": self.overhead_ms, "fit": self.fit}
+        out = {"contexts": list(self.contexts), "sizes": list(self.sizes), "ms": [list(r) for r in self.ms],
+               "draft_ms": self.draft_ms, "overhead_ms": self.overhead_ms, "fit": self.fit}
+        if self.batches:
+            out["batches"] = {str(b): c.to_dict() for b, c in self.batches}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
+        batches = tuple(sorted((int(b), cls.from_dict(c)) for b, c in d.get("batches", {}).items()))
         return cls(tuple(d["contexts"]), tuple(d["sizes"]), tuple(tuple(r) for r in d["ms"]),
-                   float(d.get("draft_ms", 0.0)), float(d.get("overhead_ms", 0.0)), d.get("fit", "line"))
+                   float(d.get("draft_ms", 0.0)), float(d.get("overhead_ms", 0.0)), d.get("fit", "line"), batches)
+
+    def with_batches(self, batches: dict[int, "CostModel"]) -> "CostModel":
+        """This model with these batch measurements added (replacing any for the same row counts)."""
+        merged = {**dict(self.batches), **batches}
+        return dataclasses.replace(self, batches=tuple(sorted(merged.items())))
 
 
 def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:

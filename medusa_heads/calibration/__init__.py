@@ -11,7 +11,7 @@ import torch
 from medusa_heads.calibration import measure, report
 from medusa_heads.checkpoint import save_config, save_ngrams
 from medusa_heads.inference.prepack import is_prepacked
-from medusa_heads.tree.adaptive import cost_key
+from medusa_heads.tree.adaptive import CostModel, cost_key
 from medusa_heads.tree.calibrate import rank_paths
 from medusa_heads.tree.ngrams import NgramStore
 
@@ -28,6 +28,8 @@ class Settings:
     accept_topk: int = 8  # candidates per head in the acceptance calibration, per parent when timing a level
     lookup_tokens: int = 10  # prompt-lookup continuation length measured
     contexts: tuple[int, ...] = (256, 1024, 4096)  # cached context lengths of the cost model
+    batch_rows: tuple[int, ...] = measure.BATCH_ROWS  # batch sizes whose verify "batch" measures
+    batch_repeats: int = 9  # timed batched forwards per size
 
 
 def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], conversations: list[dict],
@@ -36,7 +38,8 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     """Measure `parts` (PARTS) for `model` (a MedusaModel with the heads of heads_dir) on the held-out
     `conversations` and this machine, and write into heads_dir's config: the fixed tree that maximises predicted
     tokens/s ("tree"), and what the per-step tree runs on (config.adaptive): calibrated acceptance ("acceptance"),
-    prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost"); and the target's
+    prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost"), the verify of a
+    batch of rows for them ("batch": added to the kernels' cost model, which "cost" measures now or did before); and the target's
     phrasebook ("ngrams", tree/ngrams.py) from phrase_data = (conversations it learns, held-out ones): a store of
     the first, written beside the heads (ngrams.safetensors), its acceptance measured on the second."""
     from medusa_heads.training.features import load_segments
@@ -91,6 +94,18 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         details["cost"] = {key: {"threads": torch.get_num_threads(), "repeats": s.repeats, "parents": 4,
                                  "topk": s.accept_topk, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}}
         log(report.cost_table(*cost))
+    if "batch" in parts:
+        key = cost[0] if cost else cost_key(model.base_model, is_prepacked(model.base_model))
+        one_row = cost[1] if cost else (config.adaptive or {}).get("cost", {}).get(key)
+        if one_row is None:
+            raise ValueError(f"a batch's cost adds to the one-row cost model of these kernels ({key}), which the heads "
+                             f"lack: calibrate --parts cost,batch")
+        one_row = one_row if isinstance(one_row, CostModel) else CostModel.from_dict(one_row)
+        load = os.getloadavg()[0]
+        cost = (key, measure.measure_batch_cost(model.target, one_row, s.batch_rows, repeats=s.batch_repeats))
+        details.setdefault("cost", {}).setdefault(key, {})["batches"] = {
+            "rows": list(s.batch_rows), "repeats": s.batch_repeats, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}
+        log(report.batch_cost_table(*cost))
     if "ngrams" in parts:
         if not phrase_data or not phrase_data[0] or not phrase_data[1]:
             raise ValueError("the phrasebook needs distilled conversations to learn and held-out ones to measure on")
@@ -110,7 +125,8 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         old = config.extra.get("adaptive_calibration", {})
         config.extra["adaptive_calibration"] = {**old, **{k: report.brief(k, v) for k, v in details.items() if k != "cost"}}
         if "cost" in details:
-            config.extra["adaptive_calibration"]["cost"] = {**old.get("cost", {}), **details["cost"]}
+            config.extra["adaptive_calibration"]["cost"] = {
+                k: {**old.get("cost", {}).get(k, {}), **v} for k, v in {**old.get("cost", {}), **details["cost"]}.items()}
     save_config(heads_dir, config)
     if report_dir:
         out = report.write_report(config, details, report_dir)

@@ -76,6 +76,56 @@ def verify_latency(target, sizes: list[int], context: int = 300, repeats: int = 
     return {n: sorted(v)[len(v) // 2] for n, v in times.items()}
 
 
+BATCH_ROWS = (2, 4, 8)  # batch sizes whose verify the cost model measures ("batch")
+BATCH_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # tree tokens per row measured for a batch (its trees stay small)
+BATCH_CONTEXTS = (256, 1024)
+
+
+@torch.no_grad()
+def batch_verify_latency(target, rows: int, sizes: list[int], context: int = 256, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one batched verify (inference/batch.py) over `rows` rows' chains of n tokens each after
+    `context` cached tokens per row, for each n, into the preallocated cache that batched decoding writes to."""
+    model = target.model
+    device = model.device
+    vocab = target.lm_head.weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    cache = new_cache(model, context + max(sizes))
+    ids = torch.randint(0, vocab, (rows, context), generator=g).to(device)
+    target.prefill_batch(ids, torch.ones_like(ids), cache)
+    valid = torch.ones(rows, context, dtype=torch.bool, device=device)
+    positions = torch.full((rows,), context, device=device)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in tqdm(range(repeats + 1), desc=f"latency, {rows} rows", leave=False):
+        for n in sizes if rep % 2 == 0 else sizes[::-1]:
+            tokens = torch.randint(0, vocab, (rows, n), generator=g).to(device)
+            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(rows, n, n)
+            depth = torch.arange(n, device=device).expand(rows, n)
+            t0 = time.perf_counter()
+            target.verify_batch(tokens, positions, valid, cache, mask, depth)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            crop_to(cache, context)
+            if rep > 0:
+                times[n].append(dt)
+    return {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+
+
+def measure_batch_cost(target, cost: CostModel, rows: tuple[int, ...] = BATCH_ROWS, sizes: tuple[int, ...] = BATCH_SIZES,
+                       contexts: tuple[int, ...] = BATCH_CONTEXTS, repeats: int = 5) -> CostModel:
+    """`cost` (one row, these kernels) with a batch's verify measured for each of `rows` (batch_verify_latency);
+    drafting and overhead as `cost` has them (a row drafts as it does alone)."""
+    batches = {}
+    for b in tqdm(rows, desc="batches", leave=False):
+        ms = []
+        for c in contexts:
+            latency = batch_verify_latency(target, b, list(sizes), context=c, repeats=repeats)
+            ms.append(tuple(round(1000 * latency[n], 2) for n in sizes))
+        batches[b] = CostModel(tuple(contexts), tuple(sizes), tuple(ms), draft_ms=cost.draft_ms,
+                               overhead_ms=cost.overhead_ms, fit="steps")
+    return cost.with_batches(batches)
+
+
 @torch.no_grad()
 def draft_latency(heads, spec: TreeSpec, repeats: int = 20) -> float:
     """Seconds the heads take to draft `spec` (path-conditioned heads draft level by level, so it depends on it)."""
@@ -120,7 +170,7 @@ ACCEPT_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 
 TEMPERATURES = tuple(float(t) for t in torch.logspace(-0.4, 0.6, 33, base=10.0))  # 0.40 .. 3.98, 7.5% apart
 COST_SIZES = tuple(range(1, 33))  # every size: a kernel's cost need not grow with the rows (CostModel, "measured")
 COST_CONTEXTS = (256, 1024, 4096)
-PARTS = ("tree", "acceptance", "lookup", "cost", "ngrams")  # what `medusa-heads calibrate --parts` measures
+PARTS = ("tree", "acceptance", "lookup", "cost", "batch", "ngrams")  # what `medusa-heads calibrate --parts` measures
 NGRAM_TOKENS = 8  # phrasebook continuation length measured (and drafted: its acceptance's depth)
 MIN_TRIALS = 100  # the fewest trials a matched length's rates are fitted on at a depth (else all lengths' rates)
 

@@ -19,7 +19,8 @@ def write_report(config: MedusaConfig, details: dict, folder: str | Path) -> Pat
     path = folder / "calibration.json"
     merged = json.loads(path.read_text()) if path.exists() else {}
     merged.update({k: v for k, v in details.items() if k != "cost"})
-    merged["cost"] = {**merged.get("cost", {}), **details.get("cost", {})}
+    merged["cost"] = {k: {**merged.get("cost", {}).get(k, {}), **v}
+                      for k, v in {**merged.get("cost", {}), **details.get("cost", {})}.items()}
     path.write_text(json.dumps(merged, indent=1) + "\n")
     adaptive = config.adaptive or {}
     lines = ["# Calibration of the per-step tree", ""]
@@ -32,6 +33,7 @@ def write_report(config: MedusaConfig, details: dict, folder: str | Path) -> Pat
         lines += ["## The phrasebook (n-gram store)", "", "```", ngram_table(merged["ngrams"]), "```", ""]
     for key, cost in sorted(adaptive.get("cost", {}).items()):
         lines += _cost_md(key, CostModel.from_dict(cost), merged["cost"].get(key, {}))
+        lines += _batch_md(key, CostModel.from_dict(cost))
         _plot_cost(key, CostModel.from_dict(cost), folder / f"cost-{key}.png")
     out = folder / "report.md"
     out.write_text("\n".join(lines) + "\n")
@@ -109,7 +111,7 @@ def _lookup_rows(d: dict, ngrams, rates) -> list[str]:
 
 
 def _cost_md(key: str, cost: CostModel, settings: dict) -> list[str]:
-    how = ", ".join(f"{k} {v}" for k, v in settings.items())
+    how = ", ".join(f"{k} {v}" for k, v in settings.items() if k != "batches")
     lines = [
         f"## Cost: {key}",
         "",
@@ -125,6 +127,26 @@ def _cost_md(key: str, cost: CostModel, settings: dict) -> list[str]:
     for s, size in enumerate(cost.sizes):
         lines.append(f"| {size} | " + " | ".join(f"{row[s]:.1f} ({fit[size - 1]:.1f})" for row, fit in zip(cost.ms, fitted)) + " |")
     return lines + [""]
+
+
+def _batch_md(key: str, cost: CostModel) -> list[str]:
+    """A batch's verify milliseconds by rows, tree tokens per row and cached context; empty without batches."""
+    if not cost.batches:
+        return []
+    contexts = cost.batches[0][1].contexts
+    lines = [f"## Cost of a batch: {key}", "",
+             "Verify milliseconds (median) of one forward over every row's tree, by tree tokens per row (size 1: a "
+             "batched plain step), for each batch size and cached context per row. One row is the table above.", "",
+             "| tree tokens | " + " | ".join(f"{b} rows, ctx {c}" for b, _ in cost.batches for c in contexts) + " |",
+             "|---|" + "---|" * (len(cost.batches) * len(contexts))]
+    for s, size in enumerate(cost.batches[0][1].sizes):
+        cells = [f"{row[s]:.1f}" if s < len(row) else "" for _, table in cost.batches for row in table.ms]
+        lines.append(f"| {size} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def batch_cost_table(key: str, cost: CostModel) -> str:
+    return "\n".join(_batch_md(key, cost))
 
 
 def _plot_cost(key: str, cost: CostModel, png: Path) -> None:

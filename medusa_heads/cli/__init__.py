@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     _heads_args(c, "heads directory to calibrate (its config.json is rewritten)", required=True)
     c.add_argument("--parts", default=",".join(PARTS),
                    help="what to measure: tree (the fixed tree, config.tree), acceptance, lookup, cost (config.adaptive; "
-                        "cost is stored per kernels, beside the other kernels' entries), ngrams (the target's phrasebook: "
+                        "cost is stored per kernels, beside the other kernels' entries), batch (a batch's verify, added to "
+                        "these kernels' cost: batches then draft per-step trees too), ngrams (the target's phrasebook: "
                         "an n-gram store of its distilled answers, ngrams.safetensors, and its acceptance)")
     c.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
     c.add_argument("--data", default="data/distilled.jsonl", help="distilled conversations (the held-out split is used)")
@@ -195,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "and per parent when timing a drafting level")
     c.add_argument("--lookup-tokens", type=positive, default=CAL.lookup_tokens, help="prompt-lookup continuation length measured")
     c.add_argument("--contexts", default=",".join(map(str, CAL.contexts)), help="cached context lengths of the cost model")
+    c.add_argument("--batch-rows", default=",".join(map(str, CAL.batch_rows)), help="batch sizes whose verify --parts batch measures")
     c.add_argument("--report", default=None, help="folder for a calibration report (report.md, reliability.png)")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's dtype")
     _prepack_arg(c)

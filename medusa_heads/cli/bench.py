@@ -357,7 +357,10 @@ def run_batch_bench(model, tokenizer, rows: list[PromptRow], batch_sizes: list[i
                      "mean_accepted": acc["medusa"]["tokens"] / max(acc["medusa"]["row_forwards"], 1),
                      "mismatched_rows": mismatches, "rows": n}
     counter.handle.remove()
+    cost = model.cost_model() if model.adaptive else None
+    tree = "per-step trees, one size per batch" if cost is not None and cost.batched else f"{model.tree.num_nodes}-node tree"
     return {"by_batch": out, "settings": {"model": base.name_or_path, "max_new_tokens": max_new_tokens, "prompts": n, "tree_nodes": model.tree.num_nodes,
+                                          "tree": tree,
                                           "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype)}}
 
 
@@ -367,7 +370,7 @@ def write_batch_results(result: dict, out: str | Path) -> None:
     (out / "results.json").write_text(json.dumps(result, indent=1))
     st = result["settings"]
     title = (f"{st.get('model') or 'model'}: {st['max_new_tokens']} new tokens, greedy, batched, "
-             f"{st['tree_nodes']}-node tree")
+             f"{st.get('tree') or str(st['tree_nodes']) + '-node tree'}")
     lines = [f"# Batched throughput: {title}", "",
              f"{st['prompts']} prompts, {st['dtype'].removeprefix('torch.')} on {st['device']}, {st['threads']} threads.", "",
              "| batch | hf tokens/s | medusa tokens/s | speed-up | tau per row | mismatched rows |", "|---|---|---|---|---|---|"]

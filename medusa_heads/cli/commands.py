@@ -283,6 +283,17 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(f"heads written to {out}", file=sys.stderr)
 
 
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    """"2,4,8" -> (2, 4, 8): increasing integers of 2 or more, or a clear exit naming the flag."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        values = ()
+    if not values or list(values) != sorted(set(values)) or values[0] < 2:
+        raise SystemExit(f"{flag} takes increasing batch sizes of 2 or more, e.g. 2,4,8; got {text!r}")
+    return values
+
+
 def cmd_calibrate(args: argparse.Namespace) -> None:
     """Measure on held-out data and this machine, and write into the heads' config (medusa_heads.calibration)."""
     import torch
@@ -298,7 +309,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if not parts or set(parts) - set(PARTS):
         raise SystemExit(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {args.parts!r}")
     _check_heads(args.heads)
-    needs_data = bool(set(parts) - {"cost", "ngrams"})  # timings need no conversations; the phrasebook its own
+    needs_data = bool(set(parts) - {"cost", "batch", "ngrams"})  # timings need no conversations; the phrasebook its own
     if needs_data:
         _check_file(args.data, "--data")
     _check_model(args.model)
@@ -319,7 +330,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                                         allow_base_mismatch=args.allow_base_mismatch)
     settings = Settings(max_nodes=args.max_nodes, topk=args.topk, context=args.context, repeats=args.repeats,
                         overhead_ms=args.overhead_ms, accept_topk=args.accept_topk, lookup_tokens=args.lookup_tokens,
-                        contexts=tuple(int(c) for c in args.contexts.split(",")))
+                        contexts=tuple(int(c) for c in args.contexts.split(",")),
+                        batch_rows=_int_list(args.batch_rows, "--batch-rows"))
     calibrate(model, load_tokenizer(args.model), args.heads, parts, conversations,
               args.features, settings, args.report, phrase_data=phrase_data)
 
