@@ -179,8 +179,10 @@ class AdaptiveDrafter:
         device = hidden.device
         rows = [_Row(int(seq[-1])) for seq in sequences]
         for d in range(1, self.depth + 1):
-            drafting = [(b, r) for b, r in enumerate(rows)
-                        if r.frontier and self._worth_drafting(d, r.val, r.frontier, self._step_ms(verify_ms, r.levels))]
+            for r in rows:  # a row that skips a level drafts no deeper one (its frontier would be a level short)
+                if r.frontier and not self._worth_drafting(d, r.val, r.frontier, self._step_ms(verify_ms, r.levels)):
+                    r.frontier = []
+            drafting = [(b, r) for b, r in enumerate(rows) if r.frontier]
             if not drafting:
                 break
             context = torch.tensor([r.paths[i] for _, r in drafting for i in r.frontier], device=device)  # (F, d)

@@ -482,11 +482,14 @@ def test_batched_adaptive_sampling_is_exact_with_plain_steps_among_tree_steps():
 
 def test_a_batch_drafts_each_level_once_for_its_rows_and_each_row_as_alone():
     model = calibrated(tiny_model(), BATCH_FLAT, rates=(0.1, 0.4, 0.7, 0.97), num_heads=4, std=0.5)
-    drafter = AdaptiveDrafter(model.heads, model._adaptive_config()[0], BATCH_FLAT, topk=3, beam=3)
+    # head 2 is rarely right and heads 3 and 4 often: a row may skip level 2 and yet find level 3 worth drafting
+    rates = Acceptance(EDGES, ((0.1, 0.4, 0.7, 0.97), (0.01, 0.01, 0.01, 0.02), (0.5, 0.8, 0.95, 0.99), (0.5, 0.8, 0.95, 0.99)))
+    drafter = AdaptiveDrafter(model.heads, rates, FLAT, topk=3, beam=3)
     g = torch.Generator().manual_seed(5)
-    hidden = torch.randn(4, 32, generator=g) * torch.tensor([0.3, 1.0, 3.0, 10.0])[:, None]
-    sequences = [torch.randint(0, 96, (n,), generator=g) for n in (5, 9, 12, 7)]
-    verify_ms = BATCH_FLAT.verify_ms(12, rows=4).tolist()
+    hidden = torch.randn(6, 32, generator=g) * torch.tensor([0.3, 1.0, 3.0, 10.0, 30.0, 0.1])[:, None]
+    sequences = [torch.randint(0, 96, (n,), generator=g) for n in (5, 9, 12, 7, 6, 8)]
+    cost = CostModel(contexts=(0,), sizes=(1, 6, 7, 32), ms=((10.0, 10.0, 13.0, 40.0),), draft_ms=0.8)  # rows stop apart
+    verify_ms = cost.verify_ms(12).tolist()
     calls, real = [], model.heads.head_logits
     model.heads.head_logits = lambda k, *a: calls.append(k) or real(k, *a)
     together = drafter._candidates_rows(hidden, sequences, verify_ms)
@@ -495,6 +498,7 @@ def test_a_batch_drafts_each_level_once_for_its_rows_and_each_row_as_alone():
         alone = drafter._row_candidates(hidden[b], sequences[b], verify_ms)
         assert found.tok == alone.tok and found.par == alone.par and found.levels == alone.levels
         assert found.values == pytest.approx(alone.values, rel=1e-4)
+    assert len({found.levels for found in together}) > 1, "the rows must stop drafting at different levels"
 
 
 def test_batches_without_a_batch_cost_draft_the_fixed_tree():
