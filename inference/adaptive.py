@@ -186,7 +186,8 @@ class AdaptiveDrafter:
             if not drafting:
                 break
             context = torch.tensor([r.paths[i] for _, r in drafting for i in r.frontier], device=device)  # (F, d)
-            h = torch.cat([hidden[b].expand(len(r.frontier), -1) for b, r in drafting])  # each parent's row state
+            h = [hidden[b].expand(len(r.frontier), -1) for b, r in drafting]  # each parent's row state
+            h = h[0] if len(h) == 1 else torch.cat(h)
             logits = self.heads.head_logits(d - 1, h, context)  # (F, V')
             probs, ranks = logits.float().softmax(-1).topk(self.topk, dim=-1)  # (F, k)
             ids = self.heads.token_ids(ranks).tolist()

@@ -2,7 +2,9 @@
 
 All rows write their trees at the same cache slots; a row that accepted fewer nodes than the longest leaves
 holes, which its attention mask hides (`valid`). Positions count each row's real tokens only, so every row
-computes exactly what it would alone. Finished rows are padded with pad_token_id, as transformers does."""
+computes exactly what it would alone. Finished rows are padded with pad_token_id, as transformers does; they ride
+along in the verify with their root alone and are not drafted. With the per-step tree (inference/adaptive.py) the
+drafter chooses one tree size for the running rows from the batch's measured verify cost."""
 from __future__ import annotations
 
 import time

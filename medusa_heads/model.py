@@ -201,7 +201,7 @@ class MedusaModel(nn.Module):
                                rows=rows)
 
     def phrasebook(self) -> NgramStore | None:
-        """The phrasebook that drafts in the per-step tree (unbatched): the store, where its acceptance was
+        """The phrasebook that drafts in the per-step tree (a row alone or a batch): the store, where its acceptance was
         calibrated (medusa-heads calibrate --parts ngrams); else None."""
         return self.phrases if "ngrams" in (self.config.adaptive or {}) else None
 
