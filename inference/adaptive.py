@@ -12,7 +12,8 @@ like Sequoia's trees by a measured cost model).
    plain step) that maximises expected tokens per millisecond under the stored cost model.
 4. Learn: after the verify, observed acceptance corrects the calibration for the rest of this call.
 
-In a batch every row drafts its candidates the same way, and one size n is chosen for all (the rows' trees are
+In a batch every running row drafts its candidates the same way (each head level runs once for all the rows that
+draft it), and one size n is chosen for all (the rows' trees are
 padded to a common size in one verify): the n that maximises the rows' expected tokens together per millisecond
 of the batch's measured verify (CostModel.batches), each row keeping its n most valuable candidates. On a CPU a
 batch's verify is compute-bound at a few rows, so its trees come out smaller, down to plain steps.
@@ -153,6 +154,8 @@ class AdaptiveDrafter:
         for f in found:
             worth = torch.tensor(f.values[: sizes - 1], dtype=torch.float64).cumsum(0)
             tau[1:] += torch.cat([worth, worth[-1:].expand(sizes - 1 - worth.shape[0])]) if worth.shape[0] else 0.0
+        # every row's levels charged as if drafted apart: an upper bound, since a level runs once for all its rows
+        # (memory-bound, it costs little more for 8 rows than for 1), which leans a batch toward smaller trees
         step_ms = self._step_ms(verify_ms, sum(f.levels for f in found))
         n = int((tau / torch.tensor(step_ms, dtype=torch.float64)).argmax())
         return [self._keep(f, n, sequences[0].device) for f in found]
