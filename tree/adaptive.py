@@ -151,7 +151,7 @@ class CostModel:
     `batches` holds the same for a batch's verify: for B rows (2, 4, 8 as calibrate measures them), one forward over
     each row's tree padded to a common size, its milliseconds by that size (size 1: a batched plain step). On a CPU
     a batch is compute-bound at a few rows, so what a tree costs there is another curve: on two AVX-512 cores, 6
-    tokens for each of 4 rows cost 1.6x a plain step of the 4 (for one row: 0.96x). Without it, batches draft a
+    tokens for each of 4 rows cost 1.8x a plain step of the 4 (for one row: 0.96x). Without it, batches draft a
     fixed tree."""
 
     contexts: tuple[int, ...]  # cached tokens measured, increasing
