@@ -23,8 +23,9 @@ class MedusaConfig:
     # token, known before drafting), "path" (the root and the tokens drafted above the node: Hydra-style heads).
     condition: str = "none"
     tree: list[list[int]] | str = DEFAULT_TREE  # preset name from configs/trees/ or rank paths
-    # generate()'s default prompt_lookup_num_tokens (one row, or a batch with per-step trees): up to this many tokens copied from the
-    # text so far are merged into the tree (0: heads only); an explicit prompt_lookup_num_tokens (0 too) wins
+    # generate()'s default prompt_lookup_num_tokens (one row, or a batch with per-step trees): up to this many
+    # tokens copied from the text so far are merged into the tree (0: heads only); an explicit
+    # prompt_lookup_num_tokens (0 too) wins
     lookup_tokens: int = 0
     # continuations the per-step tree takes from prompt lookup: what followed the latest occurrences of the matched
     # n-gram, one per distinct next token (1: the latest only, as transformers' prompt lookup)
