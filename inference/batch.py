@@ -66,11 +66,12 @@ def decode_batch(
     stats.rows_per_step.append(b_size)
     stats.seconds["prefill"] += clock() - t0
 
+    root_alone = Draft(sequences.new_zeros(0), from_parents((-1,), device))  # a finished row's tree
     while not all(s.done for s in states):
         # 1. propose: every running row's tree (finished rows ride along with their root alone, dropped below)
         t0 = clock()
         running = [b for b, s in enumerate(states) if not s.done]
-        drafts = [Draft(sequences.new_zeros(0), from_parents((-1,), device))] * b_size
+        drafts = [root_alone] * b_size
         for b, d in zip(running, drafter.draft(torch.stack([states[b].hidden for b in running]),
                                                [states[b].sequence[: states[b].length] for b in running], buffers)):
             drafts[b] = d

@@ -57,23 +57,14 @@ def verify_latency(target, sizes: list[int], context: int = 300, repeats: int = 
     cache = new_cache(model, context + max(sizes))
     target.prefill(torch.randint(0, vocab, (1, context), generator=g).to(device), cache)
     chains = {n: build_buffers(TreeSpec.from_paths([[0] * d for d in range(1, n)])).to(device) for n in sizes if n > 1}
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in tqdm(range(repeats + 1), desc="latency", leave=False):
-        order = sizes if rep % 2 == 0 else sizes[::-1]  # alternate, so drift hits all sizes alike
-        for n in order:
-            tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
-            t0 = time.perf_counter()
-            if n == 1:  # a plain decoding step, as generate takes it
-                target.step(tokens, context, cache)
-            else:
-                target.verify(tokens, context, cache, chains[n])
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            crop_to(cache, context)
-            if rep > 0:  # the first round warms up
-                times[n].append(dt)
-    return {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+
+    def forward(n: int):
+        tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
+        if n == 1:  # a plain decoding step, as generate takes it
+            return lambda: target.step(tokens, context, cache)
+        return lambda: target.verify(tokens, context, cache, chains[n])
+
+    return _median_seconds(forward, lambda: crop_to(cache, context), sizes, repeats, device, "latency")
 
 
 BATCH_ROWS = (2, 4, 8)  # batch sizes whose verify the cost model measures ("batch")
@@ -94,19 +85,31 @@ def batch_verify_latency(target, rows: int, sizes: list[int], context: int = 256
     target.prefill_batch(ids, torch.ones_like(ids), cache)
     valid = torch.ones(rows, context, dtype=torch.bool, device=device)
     positions = torch.full((rows,), context, device=device)
+
+    def forward(n: int):
+        tokens = torch.randint(0, vocab, (rows, n), generator=g).to(device)
+        mask = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(rows, n, n)
+        depth = torch.arange(n, device=device).expand(rows, n)
+        return lambda: target.verify_batch(tokens, positions, valid, cache, mask, depth)
+
+    return _median_seconds(forward, lambda: crop_to(cache, context), sizes, repeats, device, f"latency, {rows} rows")
+
+
+def _median_seconds(forward, reset, sizes: list[int], repeats: int, device: torch.device, desc: str) -> dict[int, float]:
+    """For each n in sizes: forward(n) prepares the inputs of one forward and returns it; the median of its timed
+    runs over `repeats` rounds after one round of warm-up, sizes alternating in order (so drift hits them alike),
+    reset() after each run (the cache cropped back)."""
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in tqdm(range(repeats + 1), desc=f"latency, {rows} rows", leave=False):
+    for rep in tqdm(range(repeats + 1), desc=desc, leave=False):
         for n in sizes if rep % 2 == 0 else sizes[::-1]:
-            tokens = torch.randint(0, vocab, (rows, n), generator=g).to(device)
-            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(rows, n, n)
-            depth = torch.arange(n, device=device).expand(rows, n)
+            run = forward(n)
             t0 = time.perf_counter()
-            target.verify_batch(tokens, positions, valid, cache, mask, depth)
+            run()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            crop_to(cache, context)
-            if rep > 0:
+            reset()
+            if rep > 0:  # the first round warms up
                 times[n].append(dt)
     return {n: sorted(v)[len(v) // 2] for n, v in times.items()}
 
