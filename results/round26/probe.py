@@ -11,7 +11,7 @@ from medusa_heads.default_model import default_model_path
 tok = AutoTokenizer.from_pretrained(default_model_path())
 eos = tok.convert_tokens_to_ids("<|im_end|>")
 files = ["data/distilled.jsonl.gz", "data/distilled_t07.jsonl.gz", "data/distilled_fu.jsonl.gz", "data/distilled_self.jsonl.gz"]
-cache = "/tmp/ds/tokens.json"
+cache = "runs/probe_tokens.json"  # the tokenized answers, kept between runs (runs/ is ignored)
 if os.path.exists(cache):
     train, held = json.load(open(cache))
 else:
@@ -23,6 +23,7 @@ else:
             for m in r["messages"]:
                 if m["role"] == "assistant":
                     (held if h == 0 else train).append(tok.encode(m["content"], add_special_tokens=False) + [eos])
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
     json.dump([train, held], open(cache, "w"))
 N, NMIN, CMIN, L, BINS = 4, int(os.environ.get("NMIN", 2)), 2, 8, 10
 

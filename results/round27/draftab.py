@@ -4,7 +4,12 @@ from medusa_heads.loading import load_tokenizer
 from medusa_heads.training.data import read_prompts
 from medusa_heads.prompting import prompt_ids
 from medusa_heads.inference import adaptive as new
-spec = importlib.util.spec_from_file_location("adaptive_old", "/tmp/r27/adaptive_old.py"); old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
+import subprocess, tempfile
+# round 26's drafter, as committed (run from the repository's root)
+source = subprocess.run(["git", "show", "bfd1c45:inference/adaptive.py"], capture_output=True, text=True, check=True).stdout
+with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+    f.write(source)
+spec = importlib.util.spec_from_file_location("adaptive_old", f.name); old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
 torch.set_num_threads(2)
 m = MedusaModel.from_pretrained("smollm2-135m-instruct")
 tok = load_tokenizer("smollm2-135m-instruct")
