@@ -1,8 +1,9 @@
 """Batched decoding: B left-padded prompts; every row accepts its own path at every step and ends on its own.
 
-All rows write their trees at the same cache slots; a row that accepted fewer nodes than the longest leaves
-holes, which its attention mask hides (`valid`). Positions count each row's real tokens only, so every row
-computes exactly what it would alone. Finished rows are padded with pad_token_id, as transformers does; they ride
+All rows write their trees at the same cache slots, after the longest row; then each row's accepted entries move
+to its own end (keep_accepted_rows), so the cache is as long as the longest row, and what lies past a row's end
+is hidden by its attention mask, as its left padding is. Positions count each row's real tokens only, so every
+row computes exactly what it would alone. Finished rows are padded with pad_token_id, as transformers does; they ride
 along in the verify with their root alone and are not drafted. With the per-step tree (inference/adaptive.py) the
 drafter chooses one tree size for the running rows from the batch's measured verify cost."""
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from einops import repeat
 
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
-from medusa_heads.inference.cache import PreallocatedLayer, keep_accepted, new_cache
+from medusa_heads.inference.cache import PreallocatedLayer, keep_accepted_rows, new_cache
 from medusa_heads.inference.decode import AcceptRule, DecodeState, DecodeStats, emit
 from medusa_heads.inference.propose import Draft, Drafter
 from medusa_heads.inference.sampling import process_tree
@@ -41,8 +42,8 @@ def decode_batch(
     if not bool(attention_mask[:, -1].all()):
         raise ValueError("batched prompts must be left-padded: the last position of every row must be a real token")
     # written in place, not grown by torch.cat at every forward (which copies every row's keys and values each step);
-    # the holes take more slots than the rows' tokens, and past the guess a layer doubles
-    cache = new_cache(target.model, prompt_len + 2 * max_new_tokens + buffers.size)
+    # a row's entries end by prompt_len + max_new_tokens, and past the guess (a larger tree) a layer doubles
+    cache = new_cache(target.model, prompt_len + max_new_tokens + buffers.size)
     odd = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, PreallocatedLayer)})
     if odd:
         raise NotImplementedError(f"batched generation needs full-attention cache layers; this model has {', '.join(odd)}")
@@ -50,7 +51,9 @@ def decode_batch(
     width = prompt_len + max_new_tokens
     sequences = torch.full((b_size, width), pad_token_id, dtype=torch.long, device=device)
     sequences[:, :prompt_len] = input_ids
-    valid = attention_mask.bool().clone()  # (B, P): cache slots that hold each row's own tokens
+    prompt_valid = attention_mask.bool()  # (B, L): the prompt's cache slots that hold each row's own tokens
+    ends = torch.full((b_size,), prompt_len, device=device)  # (B,): where each row's entries end in the cache
+    slots = torch.arange(prompt_len, prompt_len + max_new_tokens, device=device)
 
     t0 = clock()
     out = target.prefill_batch(input_ids, attention_mask, cache)
@@ -78,11 +81,13 @@ def decode_batch(
         trees, masks, depths = pad_trees(drafts, [s.sequence[s.length - 1] for s in states])  # (B, T), (B, T, T), (B, T)
         # 2. verify: one forward over every row's tree, each at its own position
         t1 = clock()
+        past = int(ends.max())  # the cache's length
+        valid = torch.cat([prompt_valid, slots[None, : past - prompt_len] < ends[:, None]], dim=1)  # (B, past)
         positions = valid.long().sum(1)  # (B,): each row's root position = its real tokens so far
         out = target.verify_batch(trees, positions, valid, cache, masks, depths)
         # 3. accept, row by row
         t2 = clock()
-        past, keeps, emitted, active = valid.shape[1], [], 0, 0
+        keeps, emitted, active = [], 0, 0
         for b, (s, (_, step)) in enumerate(zip(states, drafts)):
             if s.done:
                 keeps.append(trees.new_zeros(0))
@@ -98,16 +103,16 @@ def decode_batch(
             emitted, active = emitted + len(chunk), active + 1
             stats.tree_sizes.append(step.size - 1)
         drafter.update([keeps[b] for b in running])
-        # 4. commit: each row keeps its accepted entries; shorter paths leave holes that `valid` hides
+        # 4. commit: each row's accepted entries move to its own end
         t3 = clock()
         m = max(k.shape[0] for k in keeps)
         keep = torch.zeros(b_size, m, dtype=torch.long, device=device)
         for b, k in enumerate(keeps):
             if k.shape[0]:
                 keep[b, : k.shape[0]], keep[b, k.shape[0] :] = k, k[-1]
-        keep_accepted(cache, past, keep)
-        lengths = torch.tensor([k.shape[0] for k in keeps], device=device)
-        valid = torch.cat([valid, torch.arange(m, device=device)[None] < lengths[:, None]], dim=1)
+        counts = torch.tensor([k.shape[0] for k in keeps], device=device)
+        keep_accepted_rows(cache, past, keep, counts, ends)
+        ends += counts
         stats.tokens_per_step.append(emitted)
         stats.rows_per_step.append(active)
         t4 = clock()

@@ -54,25 +54,42 @@ def new_cache(model: PreTrainedModel, capacity: int | None = None) -> DynamicCac
 
 @torch.no_grad()
 def keep_accepted(cache: DynamicCache, past: int, keep: torch.Tensor) -> None:
-    """After a verify of T tree tokens appended at `past`, keep entries past + keep[..., i] (in order), drop the rest.
-
-    keep: (n,) tree-node indices for every row alike (increasing, keep[0] == 0, the root), or (B, n) one row of
-    indices per batch row (padded by repeating; the caller masks the padding). The cache then ends at past + n."""
-    n = keep.shape[-1]
-    # 1-D: nodes already in place (a path 0, 1, 2, ... up to the first one that is not) stay where they are
-    first = next((i for i, node in enumerate(keep.tolist()) if node != i), n) if keep.dim() == 1 else 0
-    source = keep[..., first:] + past
+    """After a verify of T tree tokens appended at `past`, keep entries past + keep[i] (in order), drop the rest.
+    keep: (n,) tree-node indices (increasing, keep[0] == 0, the root). The cache then ends at past + n."""
+    n = keep.shape[0]
+    # nodes already in place (a path 0, 1, 2, ... up to the first one that is not) stay where they are
+    first = next((i for i, node in enumerate(keep.tolist()) if node != i), n)
+    source = keep[first:] + past
     for layer in cache.layers:
         for name in ("keys", "values"):
             kv = getattr(layer, name)  # (B, heads, past + T, head_dim)
-            if keep.dim() == 2:
-                index = source[:, None, :, None].expand(-1, kv.shape[1], n, kv.shape[3])
-                kv[:, :, past : past + n] = kv.gather(2, index)
-            elif first < n:
+            if first < n:
                 kv[:, :, past + first : past + n] = kv.index_select(2, source)
             setattr(layer, name, kv[:, :, : past + n])
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count their tokens themselves
             layer.cumulative_length = past + n
+
+
+@torch.no_grad()
+def keep_accepted_rows(cache: DynamicCache, past: int, keep: torch.Tensor, counts: torch.Tensor,
+                       ends: torch.Tensor) -> int:
+    """A batch's keep_accepted, each row packed at its own end: after a verify of T tree tokens per row appended at
+    `past`, row b's entries past + keep[b, j] (j < counts[b]) move to ends[b] + j, so that a row that accepted less
+    than another leaves no hole behind it. keep: (B, n) tree-node indices per row, padded (by repeating one);
+    counts: (B,) how many of them a row keeps (0: none); ends: (B,) <= past, where each row's entries end. What lies
+    between a row's new end and the cache's end is stale: the caller's mask hides it. Returns the cache's new
+    length, the largest new end."""
+    b, n = keep.shape
+    source = (keep + past)[:, None, :, None]
+    target = (ends[:, None] + torch.arange(n, device=keep.device))[:, None, :, None]  # padding lands on stale slots
+    length = int((ends + counts).max())
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            kv = getattr(layer, name)  # (B, heads, past + T, head_dim): every target lies below past + T
+            shape = (b, kv.shape[1], n, kv.shape[3])
+            kv.scatter_(2, target.expand(shape), kv.gather(2, source.expand(shape)))
+            setattr(layer, name, kv[:, :, :length])
+    return length
 
 
 def crop_to(cache: DynamicCache, length: int) -> None:

@@ -85,8 +85,8 @@ class Target:
     def verify_batch(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: DynamicCache,
                      tree_mask: torch.Tensor, depth: torch.Tensor) -> TargetOutput:
         """tokens: (B, T) one tree per row, appended at cache slot P = valid.shape[1] for every row; positions: (B,)
-        each row's root position; valid: (B, P) which cached slots hold that row's tokens (padding and the holes
-        left by shorter accepted paths do not); tree_mask: (B, T, T) each row's ancestor mask; depth: (B, T)."""
+        each row's root position; valid: (B, P) which cached slots hold that row's tokens (its padding and the
+        stale slots past its end do not); tree_mask: (B, T, T) each row's ancestor mask; depth: (B, T)."""
         b, t = tokens.shape
         past = valid.shape[1]
         dtype, low = self.model.dtype, torch.finfo(self.model.dtype).min

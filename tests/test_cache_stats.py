@@ -89,3 +89,25 @@ def test_keep_accepted_keeps_exactly_those_entries_in_order(keep):
     rows = list(range(past)) + [past + i for i in keep]
     for layer, (k, v) in zip(cache.layers, before):
         assert torch.equal(layer.keys, k[:, :, rows]) and torch.equal(layer.values, v[:, :, rows])
+
+
+def test_keep_accepted_rows_packs_each_rows_entries_at_its_own_end():
+    from medusa_heads.inference.cache import keep_accepted_rows
+
+    base = tiny_model("llama", seed=1)
+    cache = new_cache(base, 32)
+    with torch.no_grad():
+        base(torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(0)), cache=cache, use_cache=True)
+    past = 7  # a 5-token tree per row was appended after 7 slots; row 0's entries end at 7, row 1's at 5, row 2's at 3
+    ends = torch.tensor([7, 5, 3])
+    keep = torch.tensor([[0, 2, 2], [0, 1, 4], [0, 0, 0]])  # row 0 keeps 2 (padded by repeating), row 1 3, row 2 none
+    counts = torch.tensor([2, 3, 0])
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    assert keep_accepted_rows(cache, past, keep, counts, ends) == 9
+    for layer, (k, v) in zip(cache.layers, before):
+        assert layer.keys.shape[2] == 9
+        for b in range(3):
+            e, n = int(ends[b]), int(counts[b])
+            rows = list(range(e)) + [past + int(i) for i in keep[b, :n]]
+            assert torch.equal(layer.keys[b, :, : e + n], k[b, :, rows])
+            assert torch.equal(layer.values[b, :, : e + n], v[b, :, rows])
