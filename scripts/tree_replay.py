@@ -104,6 +104,7 @@ def main() -> None:
     p.add_argument("--prior", type=float, default=None, help="the online correction's prior, in observations (default: the drafter's)")
     p.add_argument("--no-phrasebook", action="store_true", help="draft without the heads' phrasebook")
     p.add_argument("--stock", action="store_true", help="size the trees by the stock kernels' cost model")
+    p.add_argument("--unseen", action="store_true", help="--data holds answers to prompts no heads trained on: replay all")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -117,7 +118,8 @@ def main() -> None:
         stock_kernels(model.base_model).__enter__()
     tok = load_tokenizer(args.model)
     excluded = {r.id for f in args.exclude for r in read_prompts(f)}
-    conversations = [c for c in held_out_conversations(read_conversations(args.data), args.heads or default_heads_path())
+    read = read_conversations(args.data)
+    conversations = [c for c in (read if args.unseen else held_out_conversations(read, args.heads or default_heads_path()))
                      if prompt_id(c["id"]) not in excluded
                      and (args.half == "all" or second_half(c["id"]) == (args.half == "test"))][: args.limit]
     cost = model.cost_model()
