@@ -235,6 +235,14 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
     return result
 
 
+def _setup_text(st: dict) -> str:
+    """What a bench ran on, from its settings (a batch bench before this was recorded says less)."""
+    kernels = "" if "prepacked_linears" not in st else f"{'prepacked' if st['prepacked_linears'] else 'stock'} kernels, "
+    return (f"{st['prompts']} prompts, {st['dtype'].removeprefix('torch.')} on {st['device']}, {kernels}{st['threads']} threads"
+            + (f", {st['hardware']}" if st.get("hardware") else "")
+            + (f"; per-step trees sized by the cost model {st['cost_model']}" if st.get("cost_model") else ""))
+
+
 def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -243,11 +251,7 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     labels = {m: result.get("labels", {}).get(m, m) for m in methods}
     title = (f"{st.get('model') or 'model'}: {st['max_new_tokens']} new tokens, {_sampling_text(st['sampling'])}, "
              f"tree {st['tree']}")
-    details = (f"{st['prompts']} prompts, {st['dtype'].removeprefix('torch.')} on {st['device']}, "
-               f"{'prepacked' if st['prepacked_linears'] else 'stock'} kernels, {st['threads']} threads"
-               + (f", {st['hardware']}" if st.get("hardware") else "")
-               + (f"; per-step trees sized by the cost model {st['cost_model']}" if st.get("cost_model") else ""))
-    lines = [f"# Benchmark: {title}", "", f"{details}.", ""]
+    lines = [f"# Benchmark: {title}", "", f"{_setup_text(st)}.", ""]
     header = "| category | method | tokens/s | tau | speed-up vs hf | mismatches | peak MB |"
     lines += [header, "|---|---|---|---|---|---|---|"]
     for cat, per in [("overall", result["overall"]), *result["by_category"].items()]:
@@ -294,7 +298,7 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speed-up vs transformers generate")
-    ax.set_title(f"{title}\n{details}", fontsize=8)
+    ax.set_title(f"{title}\n{_setup_text(st)}", fontsize=8)
     for j, m in enumerate(methods):
         tau = result["overall"][m]["mean_accepted"]
         ax.annotate(f"\u03c4 {tau:.2f}", (j * width, result["overall"][m]["speedup_vs_hf"]), fontsize=6, ha="center", va="bottom")
@@ -361,7 +365,9 @@ def run_batch_bench(model, tokenizer, rows: list[PromptRow], batch_sizes: list[i
     tree = "per-step trees, one size per batch" if cost is not None and cost.batched else f"{model.tree.num_nodes}-node tree"
     return {"by_batch": out, "settings": {"model": base.name_or_path, "max_new_tokens": max_new_tokens, "prompts": n, "tree_nodes": model.tree.num_nodes,
                                           "tree": tree,
-                                          "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype)}}
+                                          "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype),
+                                          "prepacked_linears": is_prepacked(base), "hardware": hardware(device),
+                                          "cost_model": model.cost_model_key() if cost is not None and cost.batched else None}}
 
 
 def write_batch_results(result: dict, out: str | Path) -> None:
@@ -372,7 +378,7 @@ def write_batch_results(result: dict, out: str | Path) -> None:
     title = (f"{st.get('model') or 'model'}: {st['max_new_tokens']} new tokens, greedy, batched, "
              f"{st.get('tree') or str(st['tree_nodes']) + '-node tree'}")
     lines = [f"# Batched throughput: {title}", "",
-             f"{st['prompts']} prompts, {st['dtype'].removeprefix('torch.')} on {st['device']}, {st['threads']} threads.", "",
+             f"{_setup_text(st)}.", "",
              "| batch | hf tokens/s | medusa tokens/s | speed-up | tau per row | mismatched rows |", "|---|---|---|---|---|---|"]
     for b, r in result["by_batch"].items():
         lines.append(f"| {b} | {r['hf_tokens_per_s']:.1f} | {r['medusa_tokens_per_s']:.1f} | {r['speedup_vs_hf']:.2f} | "

@@ -364,6 +364,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     cal = model.config.extra.get("calibration")
     if args.batch_sizes:
         result = run_batch_bench(model, tok, rows, sizes, args.max_new_tokens)
+        result["settings"]["model"] = args.model
         write_batch_results(result, out)
     else:
         sampling = dict(temperature=args.temperature, top_p=args.top_p) if args.do_sample else None
