@@ -32,7 +32,7 @@ rows = [r for f in files for r in read_prompts(f)]
 g = torch.Generator().manual_seed(0)
 for r in rows:
     ids = tok(prompt_text(tok, [{"role": "user", "content": r.turns[0]}]), return_tensors="pt", add_special_tokens=False).input_ids
-    m.generate(ids, max_new_tokens=128, do_sample=sample, temperature=0.7, top_p=0.9, generator=g if sample else None)
+    m.generate(ids, max_new_tokens=128, **(dict(do_sample=True, temperature=0.7, top_p=0.9, generator=g) if sample else {}))
 for k in sorted(stats):
     n, p, h = stats[k]
     print(k, n, "pred %.3f obs %.3f" % (p / n, h / n))
