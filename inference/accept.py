@@ -64,6 +64,7 @@ class TargetChoice:
 
     def __init__(self, warpers: LogitsProcessorList | None = None, generator: torch.Generator | None = None) -> None:
         self.warpers, self.generator = warpers, generator
+        self.greedy = warpers is None
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """(T, V) -> (T,)."""
@@ -95,6 +96,8 @@ class TargetChoice:
 
 class TypicalAcceptance:
     """Medusa's typical acceptance: faster, LOSSY. Used only when asked for by name."""
+
+    greedy = False
 
     def __init__(
         self,

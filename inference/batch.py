@@ -14,6 +14,7 @@ import torch
 from einops import repeat
 
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
+from medusa_heads.inference.accept import accept_choices
 from medusa_heads.inference.cache import PreallocatedLayer, keep_accepted_rows, new_cache
 from medusa_heads.inference.decode import AcceptRule, DecodeState, DecodeStats, emit
 from medusa_heads.inference.propose import Draft, Drafter
@@ -69,6 +70,7 @@ def decode_batch(
     stats.rows_per_step.append(b_size)
     stats.seconds["prefill"] += clock() - t0
 
+    greedy = rule.greedy and not processors  # only the target's argmax at each node is needed
     root_alone = Draft(sequences.new_zeros(0), from_parents((-1,), device))  # a finished row's tree
     while not all(s.done for s in states):
         # 1. propose: every running row's tree (finished rows ride along with their root alone, dropped below)
@@ -84,7 +86,7 @@ def decode_batch(
         past = int(ends.max())  # the cache's length
         valid = torch.cat([prompt_valid, slots[None, : past - prompt_len] < ends[:, None]], dim=1)  # (B, past)
         positions = valid.long().sum(1)  # (B,): each row's root position = its real tokens so far
-        out = target.verify_batch(trees, positions, valid, cache, masks, depths)
+        out = target.verify_batch(trees, positions, valid, cache, masks, depths, greedy=greedy)
         # 3. accept, row by row
         t2 = clock()
         keeps, emitted, active = [], 0, 0
@@ -92,10 +94,14 @@ def decode_batch(
             if s.done:
                 keeps.append(trees.new_zeros(0))
                 continue
-            tree, logits = trees[b, : step.size], out.logits[b, : step.size]
-            if processors:
-                logits = process_tree(processors, s.sequence[: s.length - 1], tree, logits, step.mask)
-            nodes, bonus = rule.accept(tree, logits, step)
+            tree = trees[b, : step.size]
+            if out.choices is not None:  # the target's argmax at each node (Target.verify_batch, greedy)
+                nodes, bonus = accept_choices(tree, out.choices[b, : step.size], step)
+            else:
+                logits = out.logits[b, : step.size]
+                if processors:
+                    logits = process_tree(processors, s.sequence[: s.length - 1], tree, logits, step.mask)
+                nodes, bonus = rule.accept(tree, logits, step)
             chunk = emit(s, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos, stopping)
             nodes = nodes[: len(chunk) + 1]
             keeps.append(nodes)

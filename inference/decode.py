@@ -9,12 +9,15 @@ from typing import Protocol
 import torch
 
 from medusa_heads.tree.buffers import TreeBuffers
+from medusa_heads.inference.accept import accept_choices
 from medusa_heads.inference.cache import keep_accepted, new_cache
 from medusa_heads.inference.propose import Drafter
 from medusa_heads.inference.sampling import process_tree
 from medusa_heads.inference.verify import Target
 
 class AcceptRule(Protocol):
+    greedy: bool  # its choice at a node is the target's argmax: the target may hand over argmaxes, not logits
+
     def first(self, logits: torch.Tensor) -> int:
         """(1, V) prefill logits -> the first new token."""
         ...
@@ -116,6 +119,7 @@ def decode(
     if streamer is not None:
         streamer.put(torch.tensor(chunk))
 
+    greedy = rule.greedy and not processors  # only the target's argmax at each node is needed
     while not state.done:
         # 1. propose: the drafter chooses this step's tree below the root and drafts it
         t0 = clock()
@@ -123,13 +127,16 @@ def decode(
         tree = torch.cat([state.sequence[state.length - 1 : state.length], drafted])
         # 2. verify: one target forward over root + nodes
         t1 = clock()
-        out = target.verify(tree, state.past, cache, step)
+        out = target.verify(tree, state.past, cache, step, greedy=greedy)
         # 3. accept: longest path the target agrees with, plus the target's own next token
         t2 = clock()
-        logits = out.logits
-        if processors:
-            logits = process_tree(processors, state.sequence[: state.length - 1], tree, logits, step.mask)
-        nodes, bonus = rule.accept(tree, logits, step)
+        if out.choices is not None:  # the target's argmax at each node, handed over without its logits
+            nodes, bonus = accept_choices(tree, out.choices, step)
+        else:
+            logits = out.logits
+            if processors:
+                logits = process_tree(processors, state.sequence[: state.length - 1], tree, logits, step.mask)
+            nodes, bonus = rule.accept(tree, logits, step)
         drafter.update([nodes])
         # 4. commit: emit up to EOS or the budget; the cache keeps root + emitted nodes; the bonus is the next root
         t3 = clock()

@@ -9,16 +9,19 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from medusa_heads.tree.buffers import TreeBuffers
+from medusa_heads.inference.screen import ScreenCache
 from medusa_heads.inference.tap import LMHeadTap
 
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # ([B,] T, V): the target's logits for the token after each input position
+    logits: torch.Tensor | None  # ([B,] T, V): the target's logits for the token after each input position
     hidden: torch.Tensor  # ([B,] T, H): the LM head's input at each position
+    choices: torch.Tensor | None = None  # ([B,] T): the logits' argmax instead, where only that was asked for
 
     def row(self, b: int = 0) -> "TargetOutput":
-        return TargetOutput(self.logits[b], self.hidden[b])
+        pick = lambda x: None if x is None else x[b]  # noqa: E731
+        return TargetOutput(pick(self.logits), self.hidden[b], pick(self.choices))
 
 
 def target_cache_kw(model: PreTrainedModel) -> str:
@@ -34,6 +37,8 @@ class Target:
         self.model = model
         self.cache_kw = target_cache_kw(model)
         self.lm_head = LMHeadTap(model).lm_head  # raises for a model without one
+        self.screen = ScreenCache(model)  # greedy verifies: the argmax without the whole fp32 LM head
+        self._decoder_kw = (None, "")  # (the screen's decoder, the name it takes its cache by)
         if model.device.type == "cpu":
             # transformers' SDPA path repeats every cached key and value across the query heads of a group
             # (repeat_kv) whenever a mask is given, unless told to pass enable_gqa to PyTorch, which CPU kernels
@@ -47,6 +52,19 @@ class Target:
             out = self.model(use_cache=True, return_dict=True, **kwargs)
         return TargetOutput(logits=out.logits, hidden=tap.first())
 
+    def _run_greedy(self, **kwargs) -> TargetOutput | None:
+        """_run's argmax of the logits, through the screen (inference/screen.py) and the decoder alone; None where
+        the screen does not serve this model."""
+        screen = self.screen.get()
+        if screen is None:
+            return None
+        decoder = self.screen.decoder
+        if self._decoder_kw[0] is not decoder:  # one tuple, replaced whole: safe with many threads
+            self._decoder_kw = (decoder, target_cache_kw(decoder))
+        kwargs[self._decoder_kw[1]] = kwargs.pop("cache")
+        hidden = decoder(use_cache=True, return_dict=True, **kwargs).last_hidden_state
+        return TargetOutput(logits=None, hidden=hidden, choices=screen(hidden.flatten(0, -2)).view(hidden.shape[:-1]))
+
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: DynamicCache) -> TargetOutput:
         """input_ids: (1, L). Fills the cache; returns logits and hidden state of the last position only."""
@@ -59,19 +77,17 @@ class Target:
                          position_ids=torch.tensor([[past]], device=token.device)).row()
 
     @torch.no_grad()
-    def verify(self, tokens: torch.Tensor, past: int, cache: DynamicCache, buffers: TreeBuffers) -> TargetOutput:
+    def verify(self, tokens: torch.Tensor, past: int, cache: DynamicCache, buffers: TreeBuffers,
+               greedy: bool = False) -> TargetOutput:
         """tokens: (T,) tree tokens (root first). Each node sees the cached prefix and its own ancestors,
-        at position past + depth. Appends T entries to the cache."""
+        at position past + depth. Appends T entries to the cache. `greedy`: only each node's argmax is needed, so
+        the output may hold `choices` instead of logits (where the screen serves the model)."""
         t = tokens.shape[0]
         dtype = self.model.dtype
         mask = torch.zeros(1, 1, t, past + t, dtype=dtype, device=tokens.device)
         mask[..., past:].masked_fill_(~buffers.mask, torch.finfo(dtype).min)
-        return self._run(
-            input_ids=tokens[None],
-            attention_mask=mask,
-            position_ids=(buffers.depth + past)[None],
-            cache=cache,
-        ).row()
+        inputs = dict(input_ids=tokens[None], attention_mask=mask, position_ids=(buffers.depth + past)[None], cache=cache)
+        return ((greedy and self._run_greedy(**inputs)) or self._run(**inputs)).row()
 
     @torch.no_grad()
     def prefill_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache) -> TargetOutput:
@@ -83,14 +99,16 @@ class Target:
 
     @torch.no_grad()
     def verify_batch(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: DynamicCache,
-                     tree_mask: torch.Tensor, depth: torch.Tensor) -> TargetOutput:
+                     tree_mask: torch.Tensor, depth: torch.Tensor, greedy: bool = False) -> TargetOutput:
         """tokens: (B, T) one tree per row, appended at cache slot P = valid.shape[1] for every row; positions: (B,)
         each row's root position; valid: (B, P) which cached slots hold that row's tokens (its padding and the
-        stale slots past its end do not); tree_mask: (B, T, T) each row's ancestor mask; depth: (B, T)."""
+        stale slots past its end do not); tree_mask: (B, T, T) each row's ancestor mask; depth: (B, T). `greedy`: as
+        in verify."""
         b, t = tokens.shape
         past = valid.shape[1]
         dtype, low = self.model.dtype, torch.finfo(self.model.dtype).min
         mask = torch.zeros(b, 1, t, past + t, dtype=dtype, device=tokens.device)
         mask[..., :past].masked_fill_(~valid[:, None, None, :], low)
         mask[..., past:].masked_fill_(~tree_mask[:, None], low)
-        return self._run(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None] + depth, cache=cache)
+        inputs = dict(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None] + depth, cache=cache)
+        return (greedy and self._run_greedy(**inputs)) or self._run(**inputs)
