@@ -13,9 +13,10 @@ where z_v is the fp32 logit any summation order gives (each within g = K eps / (
 u = 2^-8 is bf16's rounding of the output. The model's argmax v* then satisfies s_v* + B_v* >= s_t - B_t for
 t = argmax s, so every other token is ruled out. Where one candidate is left it is v*; where several are, they are
 scored again in fp32, and the best wins when its margin over each other candidate exceeds both their fp32 error
-bounds (2 g |h| |w_v| each); where it does not (a near or exact tie), that row's logits come from the model's own LM
-head, as in generate. So the choice is the model's argmax with no assumption beyond IEEE rounding and fp32
-accumulation in the kernels (here about 1.6 candidates a node, and a fallback almost never).
+bounds (2 g sum_i |h_i| |w_vi| each); where it does not (a near or exact tie), that row's logits come from the model's
+own LM head, as in generate. So the choice is the model's argmax with no assumption beyond IEEE rounding and fp32
+accumulation in the kernels. On SmolLM2's greedy answers: 1.6 candidates a node, 40% of nodes scored again, the
+model's head for one node in 200 (one verify in 27).
 
 Used only where it pays and is sure to apply: an fp32 LM head without bias on a CPU with bf16 kernels, in a model
 whose logits are exactly its LM head applied to its decoder's output (checked once on the model itself; a model that
@@ -55,7 +56,6 @@ class ArgmaxScreen:
         self.coef = torch.stack([(w64 - wb64).norm(dim=1) + self.g * wb64.norm(dim=1), w_norm, self.g * w_norm])
         self.coef = (self.coef * SAFETY).float()
         self.coef_max = self.coef.max(dim=1).values  # (3,)
-        self.w_norm = w_norm.float()
 
     @torch.no_grad()
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
@@ -86,10 +86,9 @@ class ArgmaxScreen:
             sw = s[wide].float()
             more_rows, more_cols = (sw + (norms[wide] @ self.coef + sw.abs() * RHO) >= floor[wide, None]).nonzero(as_tuple=True)
             rows, cols = torch.cat([rows, wide[more_rows]]), torch.cat([cols, more_cols])
-        return self._settle(h, norms[:, 2], ids[:, 0], rows, cols)
+        return self._settle(h, ids[:, 0], rows, cols)
 
-    def _settle(self, h: torch.Tensor, h_norm: torch.Tensor, top: torch.Tensor, rows: torch.Tensor,
-                ids: torch.Tensor) -> torch.Tensor:
+    def _settle(self, h: torch.Tensor, top: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row's choice among its candidates (rows[i], ids[i]): the one where there is one (the row's best
         score, `top`), else the best of them scored again in fp32 where its margin proves it, else the model's own
         head's."""
@@ -100,8 +99,9 @@ class ArgmaxScreen:
         many = count[rows] > 1
         rows, ids = rows[many], ids[many]
         past_ids = int(ids.max()) + 1
-        z = torch.einsum("kh,kh->k", h[rows], self.weight[ids])  # fp32 again, in another order than the model's
-        err = 2.0 * self.g * SAFETY * h_norm[rows] * self.w_norm[ids]  # |z - the model's z| <= err
+        hr, wr = h[rows], self.weight[ids]
+        z = torch.einsum("kh,kh->k", hr, wr)  # fp32 again, in another order than the model's
+        err = 2.0 * self.g * SAFETY * torch.einsum("kh,kh->k", hr.abs(), wr.abs())  # |z - the model's z| <= err
         best = torch.full((n,), -torch.inf, device=h.device).scatter_reduce(0, rows, z, "amax")
         first = torch.full((n,), past_ids, device=h.device).scatter_reduce(
             0, rows, torch.where(z == best[rows], ids, past_ids), "amin")  # argmax's choice: the lowest id of the best
