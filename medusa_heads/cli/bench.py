@@ -17,11 +17,13 @@ from medusa_heads.training.data import PromptRow
 
 
 class ForwardCounter:
-    """Counts target forwards (to get tau for any method, transformers' own included)."""
+    """Counts target forwards (to get tau for any method, transformers' own included): the calls of its decoder,
+    which every forward runs, the model's own and a greedy verify's without the LM head (inference/screen.py)."""
 
     def __init__(self, model) -> None:
         self.calls = 0
-        self.handle = model.register_forward_pre_hook(self._count)
+        decoder = getattr(model, "get_decoder", lambda: model)()
+        self.handle = (decoder if isinstance(decoder, torch.nn.Module) else model).register_forward_pre_hook(self._count)
 
     def _count(self, module, args) -> None:
         self.calls += 1
