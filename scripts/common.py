@@ -13,7 +13,7 @@ from medusa_heads.training.data import read_prompts
 
 
 def greedy_pass(doc: str):
-    """Parses --prompts, --heads, --model, --limit, --max-new-tokens, --threads, --out; sets the threads; returns
+    """Parses --prompts, --heads, --model, --limit, --max-new-tokens, --threads, --out, --no-prepack; sets the threads; returns
     (args, the MedusaModel, its tokenizer, [(prompt file, row)] with the first --limit rows of each file)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files (first turn of each row)")
@@ -23,9 +23,11 @@ def greedy_pass(doc: str):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="Markdown file for the table")
+    p.add_argument("--no-prepack", action="store_true", help="the stock kernels (a model loaded the user's way)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = MedusaModel.from_pretrained(args.model, **({"heads": args.heads} if args.heads else {}))
+    model = MedusaModel.from_pretrained(args.model, **({"heads": args.heads} if args.heads else {}),
+                                        **({"prepack": False} if args.no_prepack else {}))
     rows = [(f, r) for f in args.prompts for r in read_prompts(f)[: args.limit]]
     return args, model, load_tokenizer(args.model), rows
 

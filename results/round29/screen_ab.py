@@ -38,7 +38,8 @@ def main() -> None:
         for name in order:
             run(name, ids)
     same = sum(torch.equal(a[3], b[3]) for a, b in zip(runs["full"], runs["screen"]))
-    lines = [f"{len(rows)} prompts, greedy, {args.max_new_tokens} new tokens, {args.threads} threads, "
+    kernels = "stock" if args.no_prepack else "prepacked"
+    lines = [f"{len(rows)} prompts, greedy, {args.max_new_tokens} new tokens, {kernels} kernels, {args.threads} threads, "
              f"one process, alternating; identical outputs: {same}/{len(rows)}", "",
              "| LM head at the verify | seconds | tokens/s | tau | speed vs full |", "|---|---|---|---|---|"]
     base = None
