@@ -14,11 +14,9 @@ import torch
 from einops import repeat
 
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
-from medusa_heads.inference.accept import accept_choices
 from medusa_heads.inference.cache import PreallocatedLayer, keep_accepted_rows, new_cache
-from medusa_heads.inference.decode import AcceptRule, DecodeState, DecodeStats, emit
+from medusa_heads.inference.decode import AcceptRule, DecodeState, DecodeStats, accept_tree, emit
 from medusa_heads.inference.propose import Draft, Drafter
-from medusa_heads.inference.sampling import process_tree
 from medusa_heads.inference.verify import Target
 
 
@@ -95,13 +93,7 @@ def decode_batch(
                 keeps.append(trees.new_zeros(0))
                 continue
             tree = trees[b, : step.size]
-            if out.choices is not None:  # the target's argmax at each node (Target.verify_batch, greedy)
-                nodes, bonus = accept_choices(tree, out.choices[b, : step.size], step)
-            else:
-                logits = out.logits[b, : step.size]
-                if processors:
-                    logits = process_tree(processors, s.sequence[: s.length - 1], tree, logits, step.mask)
-                nodes, bonus = rule.accept(tree, logits, step)
+            nodes, bonus = accept_tree(rule, tree, step, out.row(b, step.size), processors, s.sequence[: s.length - 1])
             chunk = emit(s, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos, stopping)
             nodes = nodes[: len(chunk) + 1]
             keeps.append(nodes)

@@ -13,7 +13,7 @@ from medusa_heads.inference.accept import accept_choices
 from medusa_heads.inference.cache import keep_accepted, new_cache
 from medusa_heads.inference.propose import Drafter
 from medusa_heads.inference.sampling import process_tree
-from medusa_heads.inference.verify import Target
+from medusa_heads.inference.verify import Target, TargetOutput
 
 class AcceptRule(Protocol):
     greedy: bool  # its choice at a node is the target's argmax: the target may hand over argmaxes, not logits
@@ -82,6 +82,19 @@ def emit(state: DecodeState, tokens: list[int], budget: int, eos: set[int], stop
     return out
 
 
+def accept_tree(rule: AcceptRule, tree: torch.Tensor, buffers: TreeBuffers, out: TargetOutput, processors,
+                prefix: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """One tree's accepted nodes (root first) and the target's own next token: from the target's argmax at each
+    node where it handed that over (out.choices), else by `rule` from its logits, processed first with each node's
+    own path after `prefix` as context."""
+    if out.choices is not None:
+        return accept_choices(tree, out.choices, buffers)
+    logits = out.logits
+    if processors:
+        logits = process_tree(processors, prefix, tree, logits, buffers.mask)
+    return rule.accept(tree, logits, buffers)
+
+
 @torch.no_grad()
 def decode(
     target: Target,
@@ -130,13 +143,7 @@ def decode(
         out = target.verify(tree, state.past, cache, step, greedy=greedy)
         # 3. accept: longest path the target agrees with, plus the target's own next token
         t2 = clock()
-        if out.choices is not None:  # the target's argmax at each node, handed over without its logits
-            nodes, bonus = accept_choices(tree, out.choices, step)
-        else:
-            logits = out.logits
-            if processors:
-                logits = process_tree(processors, state.sequence[: state.length - 1], tree, logits, step.mask)
-            nodes, bonus = rule.accept(tree, logits, step)
+        nodes, bonus = accept_tree(rule, tree, step, out, processors, state.sequence[: state.length - 1])
         drafter.update([nodes])
         # 4. commit: emit up to EOS or the budget; the cache keeps root + emitted nodes; the bonus is the next root
         t3 = clock()

@@ -19,9 +19,10 @@ class TargetOutput:
     hidden: torch.Tensor  # ([B,] T, H): the LM head's input at each position
     choices: torch.Tensor | None = None  # ([B,] T): the logits' argmax instead, where only that was asked for
 
-    def row(self, b: int = 0) -> "TargetOutput":
-        pick = lambda x: None if x is None else x[b]  # noqa: E731
-        return TargetOutput(pick(self.logits), self.hidden[b], pick(self.choices))
+    def row(self, b: int = 0, n: int | None = None) -> "TargetOutput":
+        """Row b of a batch's output (its first n positions, with n)."""
+        pick = lambda x: None if x is None else x[b, :n]  # noqa: E731
+        return TargetOutput(pick(self.logits), self.hidden[b, :n], pick(self.choices))
 
 
 def target_cache_kw(model: PreTrainedModel) -> str:
