@@ -50,11 +50,14 @@ class ArgmaxScreen:
         self.g = k * EPS32 / (1.0 - k * EPS32)
         wb = w.to(torch.bfloat16)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(wb, 8)
-        w64, wb64 = w.double(), wb.double()
-        w_norm = w64.norm(dim=1)
-        # per token: the bound's coefficients of |hb|, |h - hb| and |h| (rows of a (3, V) product with those norms)
-        self.coef = torch.stack([(w64 - wb64).norm(dim=1) + self.g * wb64.norm(dim=1), w_norm, self.g * w_norm])
-        self.coef = (self.coef * SAFETY).float()
+        # per token: the bound's coefficients of |hb|, |h - hb| and |h| (rows of a (3, V) product with those norms),
+        # in float64 a block of rows at a time (a whole float64 copy of a large vocabulary's head would be GBs)
+        blocks = []
+        for a in range(0, w.shape[0], 8192):
+            w64, wb64 = w[a : a + 8192].double(), wb[a : a + 8192].double()
+            w_norm = w64.norm(dim=1)
+            blocks.append(torch.stack([(w64 - wb64).norm(dim=1) + self.g * wb64.norm(dim=1), w_norm, self.g * w_norm]))
+        self.coef = (torch.cat(blocks, dim=1) * SAFETY).float()
         self.coef_max = self.coef.max(dim=1).values  # (3,)
 
     @torch.no_grad()
