@@ -65,9 +65,8 @@ class ArgmaxScreen:
         """h: (N, H) fp32 LM-head inputs -> (N,) each row's argmax of the model's logits."""
         hb = h.to(torch.bfloat16)
         s = torch.ops.mkldnn._linear_pointwise(hb, self.packed, None, "none", [], "")  # (N, V) in bf16
-        h64 = h.double()
-        norms = torch.stack([hb.double().norm(dim=1), (h64 - hb.double()).norm(dim=1), h64.norm(dim=1)], dim=1)
-        norms = norms.float() * SAFETY
+        h64, hb64 = h.double(), hb.double()
+        norms = torch.stack([hb64.norm(dim=1), (h64 - hb64).norm(dim=1), h64.norm(dim=1)], dim=1).float() * SAFETY
         if not bool(torch.isfinite(norms).all()):
             return self.head(h).argmax(dim=-1)  # nothing to prove with: the model's own logits
         # the few best scores and their exact bounds; every other token is bounded at once, since x + u|x| grows
@@ -76,15 +75,16 @@ class ArgmaxScreen:
         vals = vals.float()
         bound = torch.einsum("nc,cnk->nk", norms, self.coef[:, ids]) + vals.abs() * RHO
         floor = vals[:, 0] - bound[:, 0]  # s_t - B_t: the model's maximum is at least this
-        rest = vals[:, -1] + vals[:, -1].abs() * RHO + norms @ self.coef_max
         if not bool(torch.isfinite(floor).all()):
             return self.head(h).argmax(dim=-1)
-        cand = vals + bound >= floor[:, None]
         if vals.shape[1] < s.shape[1]:
-            cand &= (rest < floor)[:, None]  # a row whose rest may hold a candidate is screened whole below
-        rows, cols = cand.nonzero(as_tuple=True)
+            rest = vals[:, -1] + vals[:, -1].abs() * RHO + norms @ self.coef_max  # >= s_v + B_v past the top k
+        else:
+            rest = torch.full_like(floor, -torch.inf)  # the top k are every token
+        sure = rest < floor  # no candidate past the row's top k; the other rows are screened whole below
+        rows, cols = (vals + bound >= floor[:, None]).logical_and_(sure[:, None]).nonzero(as_tuple=True)
         cols = ids[rows, cols]
-        wide = (rest >= floor).nonzero()[:, 0] if vals.shape[1] < s.shape[1] else rest[:0].long()
+        wide = (~sure).nonzero()[:, 0]
         if wide.numel():  # rare: more than TOP candidates may be in these rows
             sw = s[wide].float()
             more_rows, more_cols = (sw + (norms[wide] @ self.coef + sw.abs() * RHO) >= floor[wide, None]).nonzero(as_tuple=True)
