@@ -77,6 +77,7 @@ def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="the model's dtype (bf16: faster on CPUs with AVX512-BF16 or AMX, and on GPUs)")
     _prepack_arg(parser)
+    _device_arg(parser)
 
 
 def _heads_args(parser: argparse.ArgumentParser, help: str, required: bool = False) -> None:
@@ -97,6 +98,10 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 def _prepack_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=True,
                         help="on a CPU, run the model's linears through oneDNN with prepacked weights")
+
+
+def _device_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="device for the model, e.g. cuda (default: the CPU)")
 
 
 def _threads_arg(parser: argparse.ArgumentParser, default: int | None) -> None:
@@ -200,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--report", default=None, help="folder for a calibration report (report.md, reliability.png)")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's dtype")
     _prepack_arg(c)
-    c.add_argument("--device", default=None, help="device for the model, e.g. cuda (default: the CPU)")
+    _device_arg(c)
     _threads_arg(c, 2)
 
     b = command("bench", "hf vs prompt lookup vs medusa, same process, alternating order", cmd_bench)
@@ -210,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     _heads_args(b, "heads directory (default: the shipped heads, if they fit the model; else untrained heads)")
     _prepack_arg(b)
     b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's dtype")
+    _device_arg(b)
     b.add_argument("--methods", default="hf,pld,medusa,medusa-static",
                    help="comma-separated: hf, hf-stock (stock kernels), pld (transformers' prompt lookup, 10 tokens), "
                         "medusa (as configured: the per-step tree for calibrated heads, plus the heads' own prompt "

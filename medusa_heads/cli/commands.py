@@ -98,7 +98,8 @@ def _load_medusa(args: argparse.Namespace):
     # from_pretrained prepacks (where this CPU can) after merging a Medusa-2 adapter into the base, heads too
     model = MedusaModel.from_pretrained(args.model, heads=args.heads or "auto", tree=getattr(args, "tree", None),
                                         allow_base_mismatch=args.allow_base_mismatch,
-                                        dtype=getattr(torch, DTYPES[args.dtype]), prepack=None if args.prepack else False)
+                                        dtype=getattr(torch, DTYPES[args.dtype]), device_map=args.device,
+                                        prepack=None if args.prepack else False)
     if not model.config.extra:  # trained heads record their recipe and training; new heads record nothing
         where = f"{args.heads} holds" if args.heads else f"no shipped heads fit {args.model}, so it runs with"
         _note(f"untrained heads: {where} zero-initialised heads; tau will be near 1.0; train heads with `medusa-heads train`")
@@ -119,7 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from transformers import TextStreamer
 
     model, tok = _load_medusa(args)
-    ids = prompt_ids(tok, args.prompt)
+    ids = prompt_ids(tok, args.prompt).to(model.base_model.device)
     t = time.perf_counter()
     res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
                          streamer=TextStreamer(tok, skip_prompt=True), **_sampling(args))
@@ -145,7 +146,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
             if not line:
                 break
             messages.append({"role": "user", "content": line})
-            ids = prompt_ids(tok, messages)
+            ids = prompt_ids(tok, messages).to(model.base_model.device)
             t = time.perf_counter()
             res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
                                  streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True), **sampling)
@@ -182,13 +183,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
         with stock_kernels(base):
             return base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
 
-    ids = prompt_ids(tok, "Hi")
+    ids = prompt_ids(tok, "Hi").to(base.device)
     base.generate(ids, max_new_tokens=4, do_sample=False), model.generate(ids, max_new_tokens=4)  # warm-up
     seconds = dict.fromkeys(["hf", "medusa"] + (["hf_stock"] if packed else []), 0.0)
     n_tok = same = 0
     taus = []
     for i, prompt in enumerate(DEMO_PROMPTS):
-        ids = prompt_ids(tok, prompt)
+        ids = prompt_ids(tok, prompt).to(base.device)
         runs = [("hf", lambda: base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)),
                 ("medusa", lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True))]
         if packed:
