@@ -190,9 +190,11 @@ class MedusaModel(nn.Module):
             save_ngrams(out, self.phrases)
         return out
 
-    def _adaptive_drafter(self, lookup: int, ngram: int, rows: int = 1) -> AdaptiveDrafter:
-        """A drafter for one call (it learns from the call's own acceptance) of `rows` rows."""
+    def _adaptive_drafter(self, lookup: int, ngram: int, rows: int = 1, greedy: bool = False) -> AdaptiveDrafter:
+        """A drafter for one call (it learns from the call's own acceptance) of `rows` rows. greedy: the call's
+        verifies hand over argmaxes through the screen, so its steps are sized by the greedy cost (CostModel.greedy)."""
         acceptance, table, cost = self._adaptive_config()
+        cost = cost.for_greedy() if greedy else cost
         phrases = self.phrasebook()
         rates = PhraseAcceptance.from_dict(self.config.adaptive["ngrams"]) if phrases is not None else None
         return AdaptiveDrafter(self.heads, acceptance, cost, table, lookup,
@@ -314,7 +316,8 @@ class MedusaModel(nn.Module):
             lookup = self.config.lookup_tokens
         ngram = gc.max_matching_ngram_size or MAX_NGRAM
         if drafter is None and adaptive:  # this step's tree from the heads' confidence
-            drafter = self._adaptive_drafter(lookup or 0, ngram, rows=input_ids.shape[0])
+            screened = rule.greedy and not processors and self.target.screen.get() is not None  # as decode verifies
+            drafter = self._adaptive_drafter(lookup or 0, ngram, rows=input_ids.shape[0], greedy=screened)
         elif lookup:  # the heads' tree plus a continuation copied from the text so far, grown row by row
             drafter = LookupDrafter(drafter or HeadsDrafter(self.heads), lookup, max_ngram=ngram, min_ngram=min(MIN_NGRAM, ngram))
         drafter = drafter or HeadsDrafter(self.heads)

@@ -407,8 +407,44 @@ def test_a_batch_cost_model_interpolates_rows_and_round_trips():
         one.verify_ms(0, rows=2)
     with pytest.raises(ValueError, match="increasing row counts of 2 or more"):
         one.with_batches({1: two})
-    with pytest.raises(ValueError, match="batches of its own"):
+    with pytest.raises(ValueError, match="batches or a greedy cost of its own"):
         one.with_batches({2: cost})
+
+
+def test_a_greedy_cost_model_stands_in_for_greedy_steps_and_round_trips():
+    """One row's greedy verify (the screen: no LM head) has its own table; drafting, overhead and the batches
+    stay the full model's."""
+    full = CostModel(contexts=(0,), sizes=(1, 4), ms=((10.0, 13.0),), draft_ms=0.5, overhead_ms=2.0)
+    two = CostModel(contexts=(0,), sizes=(1, 3), ms=((12.0, 20.0),))
+    greedy = CostModel(contexts=(0,), sizes=(1, 4), ms=((7.0, 10.0),))
+    cost = full.with_batches({2: two}).with_greedy(greedy)
+    assert full.for_greedy() is full  # not measured: greedy steps are charged the full verify
+    g = cost.for_greedy()
+    assert g.verify_ms(0).tolist() == pytest.approx([7, 8, 9, 10]) and cost.verify_ms(0).tolist() == pytest.approx([10, 11, 12, 13])
+    assert (g.draft_ms, g.overhead_ms, g.batches, g.greedy) == (0.5, 2.0, cost.batches, None)
+    assert CostModel.from_dict(cost.to_dict()) == cost and "greedy" not in full.to_dict()
+    with pytest.raises(ValueError, match="greedy cost model is one row's"):
+        full.with_greedy(cost)
+    with pytest.raises(ValueError, match="batches or a greedy cost of its own"):
+        full.with_batches({2: two.with_greedy(greedy)})
+
+
+@pytest.mark.skipif(not bf16_supported(), reason="the screen needs bf16 kernels")
+def test_greedy_calls_size_their_trees_by_the_greedy_cost_where_the_screen_serves():
+    """Stored: a node costs two plain steps, but a screened greedy verify leaves trees nearly free. Greedy calls take
+    trees (and still equal generate's output); sampling, and greedy with the screen off, take plain steps."""
+    base = tiny_model("llama", seed=4)
+    model = calibrated(base, STEEP.with_greedy(CostModel(FLAT.contexts, FLAT.sizes, FLAT.ms)), rates=(0.95,) * 4)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    res = model.generate(ids, max_new_tokens=16, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
+    assert max(res.stats.tree_sizes) > 4
+    assert torch.equal(res.sequences, base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False))
+    torch.manual_seed(0)
+    res = model.generate(ids, max_new_tokens=16, prompt_lookup_num_tokens=0, do_sample=True, return_dict_in_generate=True)
+    assert set(res.stats.tree_sizes) == {0}
+    model.target.screen.enabled = False
+    res = model.generate(ids, max_new_tokens=16, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
+    assert set(res.stats.tree_sizes) == {0}
 
 
 BATCH_FLAT = FLAT.with_batches({2: FLAT, 8: FLAT})  # a batch's trees nearly free as well

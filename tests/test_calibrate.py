@@ -183,7 +183,7 @@ def test_cost_model_measured_stored_and_merged_by_kernels():
 
 def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     from medusa_heads.cli import main
-    from medusa_heads.inference.prepack import prepack_supported
+    from medusa_heads.inference.prepack import bf16_supported, prepack_supported
     from medusa_heads.training.features import features_from_conversations
     from medusa_heads.calibration.measure import second_half
 
@@ -208,6 +208,7 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     no_data = [str(tmp_path / "missing.jsonl") if a == str(tmp_path / "data.jsonl") else a for a in common]
     main(no_data + ["--parts", "cost", "--prepack"])  # timings need no conversations
     main(no_data + ["--parts", "batch", "--no-prepack", "--batch-rows", "2,3"])  # added to the stock cost model
+    main(common + ["--parts", "greedy", "--no-prepack"])  # likewise, where the screen serves the model (on answers)
     with pytest.raises(SystemExit, match="--batch-rows takes increasing batch sizes of 2 or more"):
         main(no_data + ["--parts", "batch", "--batch-rows", "4,1"])
     with pytest.raises(SystemExit, match="missing.jsonl: no such file"):
@@ -224,11 +225,17 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     assert cost.contexts == (8, 16) and cost.sizes[-1] == 32 and cost.overhead_ms == 3.0
     assert [b for b, _ in cost.batches] == [2, 3] and cost.batched and cost.verify_ms(8, rows=2).shape == (16,)
     assert cost.batches[0][1].sizes[-1] == 16 and cost.batches[0][1].draft_ms == cost.draft_ms
+    if bf16_supported():  # the screen serves the tiny model on this CPU: greedy verifies have their own table
+        assert cost.greedy.sizes == cost.sizes and cost.greedy.contexts == (8, 16) and cost.for_greedy().batches == cost.batches
+        assert "verify ms (stock-float32-cpu-" + isa + ", greedy)" in capsys.readouterr().out
+    else:
+        assert cost.greedy is None and "no greedy cost to measure" in capsys.readouterr().out
     assert saved.extra["adaptive_calibration"]["cost"][f"stock-float32-cpu-{isa}"]["repeats"] == 1  # kept beside the batch's
     assert saved.extra["adaptive_calibration"]["acceptance"]["method"] in ("isotonic", "temperature")
     report = (tmp_path / "report" / "report.md").read_text()
     assert all(f"## Cost: {k}" in report for k in kernels) and "## Prompt lookup" in report and "| 4 |" in report
     assert f"## Cost of a batch: stock-float32-cpu-{isa}" in report and "| 3 rows, ctx 256 | 3 rows, ctx 1024 |" in report
+    assert (f"## Cost of a greedy verify: stock-float32-cpu-{isa}" in report) == bf16_supported()
     assert (tmp_path / "report" / "reliability.png").stat().st_size > 1000
 
     features_from_conversations(base, tok, convs[:6], tmp_path / "part")  # held-out answers without features are said
@@ -243,3 +250,17 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     (tmp_path / "heads" / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit, match="no held-out conversations"):
         main(common + ["--parts", "lookup"])
+
+
+def test_a_greedy_verify_is_timed_on_answer_text_after_the_context():
+    """The screen's work depends on how sure the target is, so its timing runs on answers: the chain starts in one
+    (up to 8 tokens into it) after `context` tokens of the conversations end to end."""
+    from medusa_heads.calibration.measure import answer_text
+
+    first = (torch.arange(0, 30), [(10, 30)])  # an answer at 10..30
+    second = (torch.arange(100, 150), [(5, 45)])  # at 35..75 end to end
+    assert answer_text([first, second], context=12, length=6).tolist() == list(range(6, 24))  # 8 into the first
+    text = answer_text([first, second], context=20, length=6)  # too little before the first: the second's, 8 in
+    assert text.tolist() == list(range(23, 30)) + list(range(100, 119))
+    with pytest.raises(ValueError, match="too few for an answer after 100 tokens"):
+        answer_text([first, second], context=100, length=6)

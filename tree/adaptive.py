@@ -152,7 +152,15 @@ class CostModel:
     each row's tree padded to a common size, its milliseconds by that size (size 1: a batched plain step). On a CPU
     a batch is compute-bound at a few rows, so what a tree costs there is another curve: on two AVX-512 cores, 6
     tokens for each of 4 rows cost 1.8x a plain step of the 4 (for one row: 0.96x). Without it, batches draft a
-    fixed tree."""
+    fixed tree.
+
+    `greedy` holds the same for a greedy verify that skips the LM head through the screen (inference/screen.py:
+    only each node's argmax is needed, where the screen serves the model): one row's milliseconds by size, read by
+    `for_greedy`. calibrate times greedy and full verifies alternately and takes from `ms` what the greedy one
+    saves (a host's speed drifts between runs by more than the head costs). On MKL's fp32 kernels the head over a
+    few rows costs ~15 ms of a 60-150 ms verify, which the screen saves at about every size: a plain step gains
+    more, relatively, than a large tree; with prepacked linears the two differ by ~2 ms. None: greedy steps are
+    charged `ms`."""
 
     contexts: tuple[int, ...]  # cached tokens measured, increasing
     sizes: tuple[int, ...]  # tree tokens measured (root included), increasing, starting at 1
@@ -161,13 +169,16 @@ class CostModel:
     overhead_ms: float = 0.0  # per-step work besides verify and drafting (accept, commit, Python)
     fit: str = "steps"  # how timings are smoothed over sizes: "steps" or "line" (see above)
     batches: tuple[tuple[int, "CostModel"], ...] = ()  # (rows B, the cost of verifying B rows' trees at once)
+    greedy: "CostModel | None" = None  # one row's verify when only argmaxes are needed (screened; see above)
 
     def __post_init__(self) -> None:
         rows = [b for b, _ in self.batches]
         if rows != sorted(set(rows)) or any(b < 2 for b in rows):
             raise ValueError(f"cost model batches must be for increasing row counts of 2 or more, got {rows}")
-        if any(c.batches for _, c in self.batches):
-            raise ValueError("a batch's cost model cannot hold batches of its own")
+        if any(c.batches or c.greedy for _, c in self.batches):
+            raise ValueError("a batch's cost model cannot hold batches or a greedy cost of its own")
+        if self.greedy is not None and (self.greedy.batches or self.greedy.greedy):
+            raise ValueError("a greedy cost model is one row's: it cannot hold batches or a greedy cost of its own")
         if self.fit not in FITS:
             raise ValueError(f"cost model fit must be one of {FITS}, got {self.fit!r}")
         if not self.contexts or list(self.contexts) != sorted(set(self.contexts)):
@@ -235,18 +246,33 @@ class CostModel:
             rows.append(torch.cat([row[:1], fit[1:].clamp_min(float(row[0]))]))
         return torch.stack(rows).float()
 
+    def for_greedy(self) -> "CostModel":
+        """What a greedy step through the screen costs: the greedy table where measured (with this model's drafting,
+        overhead and batches: a batch's greedy verify is charged the head it skips), else this model."""
+        if self.greedy is None:
+            return self
+        return dataclasses.replace(self.greedy, draft_ms=self.draft_ms, overhead_ms=self.overhead_ms, batches=self.batches)
+
+    def with_greedy(self, greedy: "CostModel") -> "CostModel":
+        """This model with the greedy verify's table (replacing any)."""
+        return dataclasses.replace(self, greedy=greedy)
+
     def to_dict(self) -> dict:
         out = {"contexts": list(self.contexts), "sizes": list(self.sizes), "ms": [list(r) for r in self.ms],
                "draft_ms": self.draft_ms, "overhead_ms": self.overhead_ms, "fit": self.fit}
         if self.batches:
             out["batches"] = {str(b): c.to_dict() for b, c in self.batches}
+        if self.greedy is not None:
+            out["greedy"] = {k: v for k, v in self.greedy.to_dict().items() if k not in ("draft_ms", "overhead_ms")}
         return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         batches = tuple(sorted((int(b), cls.from_dict(c)) for b, c in d.get("batches", {}).items()))
+        greedy = cls.from_dict(d["greedy"]) if "greedy" in d else None
         return cls(tuple(d["contexts"]), tuple(d["sizes"]), tuple(tuple(r) for r in d["ms"]),
-                   float(d.get("draft_ms", 0.0)), float(d.get("overhead_ms", 0.0)), d.get("fit", "line"), batches)
+                   float(d.get("draft_ms", 0.0)), float(d.get("overhead_ms", 0.0)), d.get("fit", "line"), batches,
+                   greedy)
 
     def with_batches(self, batches: dict[int, "CostModel"]) -> "CostModel":
         """This model with these batch measurements added (replacing any for the same row counts)."""

@@ -39,7 +39,8 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     `conversations` and this machine, and write into heads_dir's config: the fixed tree that maximises predicted
     tokens/s ("tree"), and what the per-step tree runs on (config.adaptive): calibrated acceptance ("acceptance"),
     prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost"), the verify of a
-    batch of rows for them ("batch": added to the kernels' cost model, which "cost" measures now or did before); and the target's
+    batch of rows for them ("batch": added to the kernels' cost model, which "cost" measures now or did before), a greedy
+    verify's cost where it skips the LM head ("greedy", likewise added; inference/screen.py); and the target's
     phrasebook ("ngrams", tree/ngrams.py) from phrase_data = (conversations it learns, held-out ones): a store of
     the first, written beside the heads (ngrams.safetensors), its acceptance measured on the second."""
     from medusa_heads.training.features import load_segments
@@ -106,6 +107,24 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         details.setdefault("cost", {}).setdefault(key, {})["batches"] = {
             "rows": list(s.batch_rows), "repeats": s.batch_repeats, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}
         log(report.batch_cost_table(*cost))
+    if "greedy" in parts:
+        key = cost[0] if cost else cost_key(model.base_model, is_prepacked(model.base_model))
+        one_row = cost[1] if cost else (config.adaptive or {}).get("cost", {}).get(key)
+        if one_row is None:
+            raise ValueError(f"a greedy verify's cost adds to the one-row cost model of these kernels ({key}), which "
+                             f"the heads lack: calibrate --parts cost,greedy")
+        one_row = one_row if isinstance(one_row, CostModel) else CostModel.from_dict(one_row)
+        if model.target.screen.get() is None:  # greedy verifies run the LM head here: ms holds their cost already
+            log(f"calibrate: greedy verifies run the whole LM head on these kernels ({key}): no greedy cost to measure")
+        else:
+            load = os.getloadavg()[0]
+            answers = measure.tokenized_answers(tokenizer, conversations)
+            cost = (key, measure.measure_greedy_cost(model.target, one_row, answers, repeats=s.repeats))
+            details.setdefault("cost", {}).setdefault(key, {})["greedy"] = {
+                "repeats": s.repeats, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}",
+                "how": "the table above less the median milliseconds a greedy verify saves, full and greedy "
+                       "verifies timed alternately on held-out answers"}
+            log(report.cost_table(f"{key}, greedy", cost[1].for_greedy()))
     if "ngrams" in parts:
         if not phrase_data or not phrase_data[0] or not phrase_data[1]:
             raise ValueError("the phrasebook needs distilled conversations to learn and held-out ones to measure on")

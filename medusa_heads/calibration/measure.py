@@ -12,7 +12,7 @@ from tqdm import tqdm
 from medusa_heads.inference.cache import crop_to, new_cache
 from medusa_heads.inference.propose import MAX_NGRAM
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, isotonic
-from medusa_heads.tree.buffers import build_buffers
+from medusa_heads.tree.buffers import build_buffers, from_parents
 from medusa_heads.tree.ngrams import NgramStore
 from medusa_heads.tree.calibrate import best_tree, tree_value
 from medusa_heads.tree.spec import TreeSpec
@@ -50,21 +50,64 @@ def verify_latency(target, sizes: list[int], context: int = 300, repeats: int = 
     """Median seconds of one target forward over n new tokens after `context` cached tokens, for each n, into the
     preallocated cache that decoding writes to (a growing cache would add a copy of every layer's keys and values
     to each forward: ~3 ms at 2K cached tokens for SmolLM2 on a CPU, which decoding never pays)."""
+    keys = [(n, "step" if n == 1 else "full") for n in sizes]  # n = 1: a plain decoding step, as generate takes it
+    return {n: t for (n, _), t in _verify_seconds(target, keys, context, repeats, "latency").items()}
+
+
+def greedy_savings(target, sizes: list[int], text: torch.Tensor, repeats: int = 3) -> dict[int, float]:
+    """For each n: the median seconds of the full verify of a chain of n tokens less those of the greedy verify of it
+    (argmaxes through the screen, inference/screen.py), the two timed one after the other in one run, a root alone
+    (n = 1) as a per-step tree with no drafted node verifies it. text: (context + max(sizes),) the target's own text
+    (answer_text): the cached context, then the chain verified. The screen's work depends on how sure the target is
+    (random tokens leave it unsure: many candidates to rescore), so it runs on text the target wrote. Paired, since
+    a shared host's speed drifts by 10-20% between runs: a table timed apart from the full one would mostly
+    measure that."""
+    keys = [(n, mode) for n in sizes for mode in ("full", "greedy")]
+    t = _verify_seconds(target, keys, text.shape[0] - max(sizes), repeats, "full - greedy", text=text)
+    return {n: t[n, "full"] - t[n, "greedy"] for n in sizes}
+
+
+def answer_text(answers: list[tuple[torch.Tensor, list[tuple[int, int]]]], context: int, length: int) -> torch.Tensor:
+    """(context + length,) token ids of conversations end to end (tokenized_answers) whose last `length` start in an
+    answer (up to 8 tokens into it), after `context` tokens: text the target wrote, where the verify's chain goes on."""
+    ids = torch.cat([c for c, _ in answers]) if answers else torch.zeros(0, dtype=torch.long)
+    offset = 0
+    for conv, spans in answers:
+        for a, b in spans:
+            start = offset + a + min(8, (b - a) // 2)
+            if start >= context and start + length <= ids.shape[0]:
+                return ids[start - context : start + length]
+        offset += conv.shape[0]
+    raise ValueError(f"the {len(answers)} conversations given hold {ids.shape[0]} tokens: too few for an answer after "
+                     f"{context} tokens of text with {length} tokens from there")
+
+
+def _verify_seconds(target, keys: list[tuple[int, str]], context: int, repeats: int, desc: str,
+                    text: torch.Tensor | None = None) -> dict:
+    """verify_latency's timings for (n, mode) keys: mode "step" (target.step, n = 1), "full" (target.verify) or
+    "greedy" (target.verify(greedy=True)); on random tokens, or on `text` (the context, then each chain's tokens)."""
     model = target.model
     device = model.device
     vocab = target.lm_head.weight.shape[0]
     g = torch.Generator().manual_seed(0)
+    sizes = sorted({n for n, _ in keys})
     cache = new_cache(model, context + max(sizes))
-    target.prefill(torch.randint(0, vocab, (1, context), generator=g).to(device), cache)
+    prefix = text[:context] if text is not None else torch.randint(0, vocab, (context,), generator=g)
+    target.prefill(prefix[None].to(device), cache)
     chains = {n: build_buffers(TreeSpec.from_paths([[0] * d for d in range(1, n)])).to(device) for n in sizes if n > 1}
+    chains[1] = from_parents((-1,), device)
 
-    def forward(n: int):
-        tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
-        if n == 1:  # a plain decoding step, as generate takes it
+    def forward(key: tuple[int, str]):
+        n, mode = key
+        if text is not None:
+            tokens = text[context : context + n].to(device)
+        else:
+            tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
+        if mode == "step":
             return lambda: target.step(tokens, context, cache)
-        return lambda: target.verify(tokens, context, cache, chains[n])
+        return lambda: target.verify(tokens, context, cache, chains[n], greedy=mode == "greedy")
 
-    return _median_seconds(forward, lambda: crop_to(cache, context), sizes, repeats, device, "latency")
+    return _median_seconds(forward, lambda: crop_to(cache, context), keys, repeats, device, desc)
 
 
 BATCH_ROWS = (2, 4, 8)  # batch sizes whose verify the cost model measures ("batch")
@@ -129,6 +172,20 @@ def measure_batch_cost(target, cost: CostModel, rows: tuple[int, ...] = BATCH_RO
     return cost.with_batches(batches)
 
 
+def measure_greedy_cost(target, cost: CostModel, answers: list[tuple[torch.Tensor, list[tuple[int, int]]]],
+                        repeats: int = 5) -> CostModel:
+    """`cost` (one row, these kernels) with the greedy verify's table: its own less, at each context, the median
+    over sizes of greedy_savings on the target's answers (tokenized_answers). One saving a context: the screen
+    replaces the LM head's product by a cheaper one, about the same milliseconds at every size, while the
+    per-size differences scatter by a few ms on a noisy host (and the selection reads each size as measured)."""
+    ms = []
+    for c, row in zip(tqdm(cost.contexts, desc="greedy contexts", leave=False), cost.ms):
+        saved = sorted(greedy_savings(target, list(cost.sizes), answer_text(answers, c, cost.max_size), repeats).values())
+        cut = max(1000 * saved[len(saved) // 2], 0.0)  # never dearer: the same decoder, a cheaper head (noise aside)
+        ms.append(tuple(round(max(t - cut, 0.5 * t), 2) for t in row))
+    return cost.with_greedy(CostModel(cost.contexts, cost.sizes, tuple(ms), fit=cost.fit))
+
+
 @torch.no_grad()
 def draft_latency(heads, spec: TreeSpec, repeats: int = 20) -> float:
     """Seconds the heads take to draft `spec` (path-conditioned heads draft level by level, so it depends on it)."""
@@ -173,7 +230,7 @@ ACCEPT_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 
 TEMPERATURES = tuple(float(t) for t in torch.logspace(-0.4, 0.6, 33, base=10.0))  # 0.40 .. 3.98, 7.5% apart
 COST_SIZES = tuple(range(1, 33))  # every size: a kernel's cost need not grow with the rows (CostModel, "measured")
 COST_CONTEXTS = (256, 1024, 4096)
-PARTS = ("tree", "acceptance", "lookup", "cost", "batch", "ngrams")  # what `medusa-heads calibrate --parts` measures
+PARTS = ("tree", "acceptance", "lookup", "cost", "batch", "greedy", "ngrams")  # what `medusa-heads calibrate --parts` measures
 NGRAM_TOKENS = 8  # phrasebook continuation length measured (and drafted: its acceptance's depth)
 MIN_TRIALS = 100  # the fewest trials a matched length's rates are fitted on at a depth (else all lengths' rates)
 

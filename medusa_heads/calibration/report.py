@@ -33,6 +33,7 @@ def write_report(config: MedusaConfig, details: dict, folder: str | Path) -> Pat
         lines += ["## The phrasebook (n-gram store)", "", "```", ngram_table(merged["ngrams"]), "```", ""]
     for key, cost in sorted(adaptive.get("cost", {}).items()):
         lines += _cost_md(key, CostModel.from_dict(cost), merged["cost"].get(key, {}))
+        lines += _greedy_md(key, CostModel.from_dict(cost))
         lines += _batch_md(key, CostModel.from_dict(cost))
         _plot_cost(key, CostModel.from_dict(cost), folder / f"cost-{key}.png")
     out = folder / "report.md"
@@ -111,7 +112,7 @@ def _lookup_rows(d: dict, ngrams, rates) -> list[str]:
 
 
 def _cost_md(key: str, cost: CostModel, settings: dict) -> list[str]:
-    how = ", ".join(f"{k} {v}" for k, v in settings.items() if k != "batches")
+    how = ", ".join(f"{k} {v}" for k, v in settings.items() if k not in ("batches", "greedy"))
     lines = [
         f"## Cost: {key}",
         "",
@@ -126,6 +127,22 @@ def _cost_md(key: str, cost: CostModel, settings: dict) -> list[str]:
     fitted = [cost.verify_ms(c) for c in cost.contexts]
     for s, size in enumerate(cost.sizes):
         lines.append(f"| {size} | " + " | ".join(f"{row[s]:.1f} ({fit[size - 1]:.1f})" for row, fit in zip(cost.ms, fitted)) + " |")
+    return lines + [""]
+
+
+def _greedy_md(key: str, cost: CostModel) -> list[str]:
+    """A greedy verify's milliseconds (the screen, no LM head) beside the full verify's; empty where not measured."""
+    if cost.greedy is None:
+        return []
+    g = cost.for_greedy()
+    lines = [f"## Cost of a greedy verify: {key}", "",
+             "Verify milliseconds (median) when only each node's argmax is needed (inference/screen.py: no fp32 LM "
+             "head), then (in brackets) the full verify's from the table above, both as the tree selection charges "
+             "them; greedy calls are sized by the first.", "",
+             "| tree tokens | " + " | ".join(f"ctx {c}" for c in g.contexts) + " |", "|---|" + "---|" * len(g.contexts)]
+    greedy, full = [g.verify_ms(c) for c in g.contexts], [cost.verify_ms(c) for c in g.contexts]
+    for size in g.sizes:
+        lines.append(f"| {size} | " + " | ".join(f"{a[size - 1]:.1f} ({b[size - 1]:.1f})" for a, b in zip(greedy, full)) + " |")
     return lines + [""]
 
 

@@ -184,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--parts", default=",".join(PARTS),
                    help="what to measure: tree (the fixed tree, config.tree), acceptance, lookup, cost (config.adaptive; "
                         "cost is stored per kernels, beside the other kernels' entries), batch (a batch's verify, added to "
-                        "these kernels' cost: batches then draft per-step trees too), ngrams (the target's phrasebook: "
-                        "an n-gram store of its distilled answers, ngrams.safetensors, and its acceptance)")
+                        "these kernels' cost: batches then draft per-step trees too), greedy (a greedy verify, which "
+                        "skips the LM head through the screen, added likewise: greedy steps are sized by it), ngrams "
+                        "(the target's phrasebook: an n-gram store of its distilled answers, ngrams.safetensors, and "
+                        "its acceptance)")
     c.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
     c.add_argument("--data", default="data/distilled.jsonl", help="distilled conversations (the held-out split is used)")
     c.add_argument("--features", default="data/features", help="their feature shards")

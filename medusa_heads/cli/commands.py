@@ -310,7 +310,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if not parts or set(parts) - set(PARTS):
         raise SystemExit(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {args.parts!r}")
     _check_heads(args.heads)
-    needs_data = bool(set(parts) - {"cost", "batch", "ngrams"})  # timings need no conversations; the phrasebook its own
+    needs_data = bool(set(parts) - {"cost", "batch", "ngrams"})  # timings need no conversations (but a greedy verify's:
+    # it runs on the target's own text); the phrasebook reads its own
     if needs_data:
         _check_file(args.data, "--data")
     _check_model(args.model)
