@@ -211,9 +211,11 @@ def test_distill_reuses_answers_given_before_and_generates_only_the_new_turns(fi
 def test_bench_writes_to_a_fresh_run_folder_by_default(files, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, err = run(["bench", "--prompts", str(files["prompts.jsonl"]), "--model", str(files["model"]), "--limit", "1",
-                     "--max-new-tokens", "2", "--long-tokens", "0", "--methods", "hf", "--no-prepack"], capsys)
+                     "--max-new-tokens", "2", "--long-tokens", "0", "--methods", "hf", "--no-prepack", "--device", "cpu"],
+                    capsys)
     (folder,) = (tmp_path / "runs").iterdir()
     assert code == 0 and folder.name.startswith("bench-") and (folder / "speedup.png").is_file()
+    assert json.loads((folder / "results.json").read_text())["settings"]["device"] == "cpu"  # --device: where it ran
 
 
 def test_ctrl_c_ends_chat_quietly_and_anything_else_with_status_130(files, capsys, monkeypatch):
