@@ -416,7 +416,7 @@ def test_a_greedy_cost_model_stands_in_for_greedy_steps_and_round_trips():
     stay the full model's."""
     full = CostModel(contexts=(0,), sizes=(1, 4), ms=((10.0, 13.0),), draft_ms=0.5, overhead_ms=2.0)
     two = CostModel(contexts=(0,), sizes=(1, 3), ms=((12.0, 20.0),))
-    greedy = CostModel(contexts=(0,), sizes=(1, 4), ms=((7.0, 10.0),))
+    greedy = CostModel(contexts=(0,), sizes=(1, 4), ms=((7.0, 10.0),), draft_ms=9.0)  # drafting: the full model's
     cost = full.with_batches({2: two}).with_greedy(greedy)
     assert full.for_greedy() is full  # not measured: greedy steps are charged the full verify
     g = cost.for_greedy()

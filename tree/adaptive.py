@@ -254,8 +254,8 @@ class CostModel:
         return dataclasses.replace(self.greedy, draft_ms=self.draft_ms, overhead_ms=self.overhead_ms, batches=self.batches)
 
     def with_greedy(self, greedy: "CostModel") -> "CostModel":
-        """This model with the greedy verify's table (replacing any)."""
-        return dataclasses.replace(self, greedy=greedy)
+        """This model with the greedy verify's table (replacing any); its drafting and overhead are this model's."""
+        return dataclasses.replace(self, greedy=dataclasses.replace(greedy, draft_ms=0.0, overhead_ms=0.0))
 
     def to_dict(self) -> dict:
         out = {"contexts": list(self.contexts), "sizes": list(self.sizes), "ms": [list(r) for r in self.ms],
