@@ -77,12 +77,13 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
             "overhead_ms": s.overhead_ms, "held_out_positions": len(ranks),
         }
     acceptance = lookup = cost = phrases = None
+    # the held-out answers as token ids: the lookup's acceptance and the greedy verify's timing both read them
+    answers = measure.tokenized_answers(tokenizer, conversations) if {"lookup", "greedy"} & set(parts) else []
     if "acceptance" in parts:
         samples = measure.candidate_samples(model.heads, held_out, topk=s.accept_topk)
         acceptance, details["acceptance"] = measure.calibrate_acceptance(samples)
         log(report.acceptance_table(details["acceptance"]))
     if "lookup" in parts:
-        answers = measure.tokenized_answers(tokenizer, conversations)
         lookup, details["lookup"] = measure.lookup_acceptance(answers, lookup_tokens=s.lookup_tokens)
         dense, details["lookup"]["every_position"] = measure.lookup_acceptance(answers, s.lookup_tokens, every_position=True)
         details["lookup"]["every_position"]["rates"] = [list(r) for r in dense.rates]
@@ -96,29 +97,18 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
                                  "topk": s.accept_topk, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}}
         log(report.cost_table(*cost))
     if "batch" in parts:
-        key = cost[0] if cost else cost_key(model.base_model, is_prepacked(model.base_model))
-        one_row = cost[1] if cost else (config.adaptive or {}).get("cost", {}).get(key)
-        if one_row is None:
-            raise ValueError(f"a batch's cost adds to the one-row cost model of these kernels ({key}), which the heads "
-                             f"lack: calibrate --parts cost,batch")
-        one_row = one_row if isinstance(one_row, CostModel) else CostModel.from_dict(one_row)
+        key, one_row = _one_row_cost(cost, model, config, "a batch's cost", "batch")
         load = os.getloadavg()[0]
         cost = (key, measure.measure_batch_cost(model.target, one_row, s.batch_rows, repeats=s.batch_repeats))
         details.setdefault("cost", {}).setdefault(key, {})["batches"] = {
             "rows": list(s.batch_rows), "repeats": s.batch_repeats, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}
         log(report.batch_cost_table(*cost))
     if "greedy" in parts:
-        key = cost[0] if cost else cost_key(model.base_model, is_prepacked(model.base_model))
-        one_row = cost[1] if cost else (config.adaptive or {}).get("cost", {}).get(key)
-        if one_row is None:
-            raise ValueError(f"a greedy verify's cost adds to the one-row cost model of these kernels ({key}), which "
-                             f"the heads lack: calibrate --parts cost,greedy")
-        one_row = one_row if isinstance(one_row, CostModel) else CostModel.from_dict(one_row)
+        key, one_row = _one_row_cost(cost, model, config, "a greedy verify's cost", "greedy")
         if model.target.screen.get() is None:  # greedy verifies run the LM head here: ms holds their cost already
             log(f"calibrate: greedy verifies run the whole LM head on these kernels ({key}): no greedy cost to measure")
         else:
             load = os.getloadavg()[0]
-            answers = measure.tokenized_answers(tokenizer, conversations)
             cost = (key, measure.measure_greedy_cost(model.target, one_row, answers, repeats=s.repeats))
             details.setdefault("cost", {}).setdefault(key, {})["greedy"] = {
                 "repeats": s.repeats, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}",
@@ -150,6 +140,16 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     if report_dir:
         out = report.write_report(config, details, report_dir)
         log(f"report written to {out}")
+
+
+def _one_row_cost(cost: tuple[str, CostModel] | None, model, config, what: str, part: str) -> tuple[str, CostModel]:
+    """(kernels key, one-row cost model) that the `part` measurement adds to: measured in this run, else stored."""
+    key = cost[0] if cost else cost_key(model.base_model, is_prepacked(model.base_model))
+    one_row = cost[1] if cost else (config.adaptive or {}).get("cost", {}).get(key)
+    if one_row is None:
+        raise ValueError(f"{what} adds to the one-row cost model of these kernels ({key}), which the heads lack: "
+                         f"calibrate --parts cost,{part}")
+    return key, one_row if isinstance(one_row, CostModel) else CostModel.from_dict(one_row)
 
 
 def held_out_conversations(conversations: list[dict], heads_dir: str | os.PathLike) -> list[dict]:
