@@ -43,5 +43,20 @@ test-vllm: setup vllm-setup
 	timeout 900 $(PY) scripts/vllm_check.py ours --heads $(SERVING_HEADS) --out $(VLLM_RUN)/ours.json
 	timeout 1800 $(VPY) scripts/vllm_check.py check --export $(VLLM_RUN)/heads --ours $(VLLM_RUN)/ours.json
 
+# The standard benchmark set behind README's results table: each run writes results.md, results.json and
+# speedup.png into its folder of results/ (see that folder's README.md). About 2 hours on the 2-core CPU; nothing
+# else should run meanwhile. The GPU run is results/gpu/run.sh.
+MH := $(VENV)/bin/medusa-heads
+BENCH_PROMPTS := data/bench_prompts.jsonl
+UNSEEN_PROMPTS := runs/unseen_prompts.jsonl
+
+bench: setup
+	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,pld,medusa --out results/bench
+	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,pld,medusa --no-prepack --out results/stock
+	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,medusa --do-sample --out results/sample
+	mkdir -p runs && cat data/bench_prompts_fresh.jsonl data/bench_prompts_new.jsonl > $(UNSEEN_PROMPTS)
+	$(MH) bench --prompts $(UNSEEN_PROMPTS) --methods hf,pld,medusa --long-tokens 0 --out results/unseen
+	$(MH) bench --prompts $(BENCH_PROMPTS) --batch-sizes 2,4,8 --limit 16 --out results/batch
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)
