@@ -1,8 +1,9 @@
-"""The README's Python example runs exactly as printed, and says what it claims."""
+"""The README's Python example and its command lines run exactly as printed, and say what they claim."""
 import gzip
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,7 @@ def test_readme_python_example_runs_verbatim(tmp_path, monkeypatch, capsys):
     assert scope["out"].shape[1] > ids.shape[1] and model.config.extra  # trained heads, something generated
     ref = model.base_model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
     assert torch.equal(scope["out"], ref)  # the claim in the example's comment
+    assert torch.equal(scope["chain"], scope["out"])  # another tree for one call: the same tokens
     assert tok.decode(ids[0]).startswith("<|im_start|>system") and tok.decode(ids[0]).endswith("<|im_start|>assistant\n")
 
 
@@ -39,12 +41,21 @@ ENTRY_POINT = Path(sys.executable).parent / "medusa-heads"
 ROOT = README.parent
 
 
+def bash_lines(text: str) -> list[list[str]]:
+    """The `medusa-heads` commands of the ```bash blocks in `text`, in order (continuations joined, comments cut)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split(" #", 1)[0]) if line.strip() else []
+            if words[:1] == ["medusa-heads"]:
+                commands.append(words[1:])
+    return commands
+
+
 def training_commands() -> list[list[str]]:
-    """The `medusa-heads` commands of the README's training block, in order (continuations joined, comments cut)."""
-    section = README.read_text().split("## Training heads", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1).replace("\\\n", " ")
-    lines = [line.split("#", 1)[0].split() for line in block.splitlines()]
-    return [words[1:] for words in lines if words[:1] == ["medusa-heads"]]
+    """The `medusa-heads` commands of the README's training section, in order."""
+    section = README.read_text().split("## Train heads for your own model", 1)[1].split("\n## ", 1)[0]
+    return bash_lines(section)
 
 
 # What a test adds so that the README's commands run in a minute on a handful of prompts (acceptance and cost
@@ -54,28 +65,32 @@ SMALL = {
     "train": ["--set", "max_steps=2", "--set", "eval_fraction=0.5", "--set", "eval_every=1", "--set", "save_every=1",
               "--set", "batch_size=8"],
     "calibrate": ["--parts", "tree,lookup", "--max-nodes", "4", "--repeats", "1", "--threads", "1"],
+    "bench": ["--limit", "2", "--max-new-tokens", "8", "--long-tokens", "0", "--methods", "hf,medusa", "--threads", "1",
+              "--out", "runs/bench"],
 }
 
 
 def run_training_commands(workdir: Path, model: str, prompts: list[str]) -> list[str]:
-    """The README's training commands in `workdir` (a copy of configs/, and data/train_prompts.jsonl.gz holding
-    `prompts`) through the installed entry point; returns their stderr."""
+    """The README's training commands in `workdir` (a copy of configs/, and data/train_prompts.jsonl.gz and
+    data/bench_prompts.jsonl holding `prompts`) through the installed entry point; returns their stderr."""
     shutil.copytree(ROOT / "configs", workdir / "configs")
     (workdir / "data").mkdir()
     with gzip.open(workdir / "data" / "train_prompts.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    (workdir / "data" / "bench_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     logs = []
     commands = training_commands()
-    assert [c[0] for c in commands] == ["distill", "train", "calibrate"]
+    assert [c[0] for c in commands] == ["distill", "train", "calibrate", "bench"]
     for argv in commands:
         extra = SMALL[argv[0]] + (["--set", f"model={model}"] if argv[0] == "train" else ["--model", model])
         done = subprocess.run([str(ENTRY_POINT), *argv, *extra], cwd=workdir, env=env, capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, f"medusa-heads {' '.join(argv)} failed:\n{done.stderr[-2000:]}"
         logs.append(done.stderr)
-    heads = workdir / "runs" / "smollm2-135m-heads"
-    assert (heads / "heads.safetensors").is_file() and (heads / "train_plot.png").is_file()
+    heads = workdir / "runs" / "my-heads"
+    assert (heads / "heads.safetensors").is_file() and (heads / "train_plot.png").is_file()  # all in train's --out
+    assert (heads / "train_log.jsonl").is_file() and (workdir / "runs" / "bench" / "results.md").is_file()
     done = subprocess.run([str(ENTRY_POINT), "generate", "--model", model, "--heads", str(heads), "--prompt", prompts[0],
                            "--max-new-tokens", "8"], cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -110,3 +125,48 @@ def test_readme_training_commands_run_for_the_embedded_model(tmp_path):
                "What is the capital of Italy?", "Spell cat.", "Give me a fruit."]
     logs = run_training_commands(tmp_path, "smollm2-135m-instruct", prompts)
     assert not any("no chat template" in log for log in logs)
+
+
+# The README's other command lines, outside the training section (run by the test above): those that finish within a
+# minute run here as printed; `chat` is interactive, and `bench`, `demo` and `calibrate` take minutes.
+QUICK = {"generate", "export"}
+
+
+def quick_commands() -> list[list[str]]:
+    text = README.read_text()
+    before, rest = text.split("## Train heads for your own model", 1)
+    after = rest.split("\n## ", 1)[1]
+    commands = bash_lines(before + after)
+    assert ["--help"] in commands and any(c[0] == "generate" for c in commands)
+    return [c for c in commands if c[0] in QUICK or "--help" in c]
+
+
+def run_as_printed(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """One command in a scratch folder that sees the repository's medusa_heads/, data/ and configs/ (what the
+    README's relative paths name), so whatever it writes lands in the scratch folder."""
+    for name in ("medusa_heads", "data", "configs"):
+        if not (tmp_path / name).exists():
+            (tmp_path / name).symlink_to(ROOT / name)
+    return subprocess.run([str(ENTRY_POINT), *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+
+def test_readme_help_lines_run(tmp_path):
+    helps = [c for c in quick_commands() if "--help" in c]
+    assert helps
+    for argv in helps:
+        done = run_as_printed(argv, tmp_path)
+        assert done.returncode == 0 and "usage: medusa-heads" in done.stdout, (argv, done.stderr[-2000:])
+
+
+@pytest.mark.real
+def test_readme_quick_command_lines_run_as_printed(tmp_path):
+    for argv in [c for c in quick_commands() if "--help" not in c]:
+        if argv[0] == "generate":
+            assert int(argv[argv.index("--max-new-tokens") + 1]) <= 64  # a quick line stays quick
+        done = run_as_printed(argv, tmp_path)
+        assert done.returncode == 0, (argv, done.stderr[-2000:])
+        if argv[0] == "generate":
+            assert done.stdout.strip() and "tau" in done.stderr.lower() + done.stdout.lower()
+        if argv[0] == "export":
+            assert (tmp_path / argv[-1] / "config.json").is_file()
