@@ -82,8 +82,11 @@ def run_training_commands(workdir: Path, model: str, prompts: list[str]) -> list
     logs = []
     commands = training_commands()
     assert [c[0] for c in commands] == ["distill", "train", "calibrate", "bench"]
+    calibrate_help = subprocess.run([str(ENTRY_POINT), "calibrate", "--help"], capture_output=True, text=True).stdout
+    force_cost = ["--force-cost"] if "--force-cost" in calibrate_help else []  # the test host is shared: store timings
     for argv in commands:
         extra = SMALL[argv[0]] + (["--set", f"model={model}"] if argv[0] == "train" else ["--model", model])
+        extra += force_cost if argv[0] == "calibrate" else []
         done = subprocess.run([str(ENTRY_POINT), *argv, *extra], cwd=workdir, env=env, capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, f"medusa-heads {' '.join(argv)} failed:\n{done.stderr[-2000:]}"
@@ -170,3 +173,17 @@ def test_readme_quick_command_lines_run_as_printed(tmp_path):
             assert done.stdout.strip() and "tau" in done.stderr.lower() + done.stdout.lower()
         if argv[0] == "export":
             assert (tmp_path / argv[-1] / "config.json").is_file()
+
+
+def test_docs_cli_shows_the_live_help():
+    """docs/cli.md reproduces `medusa-heads [COMMAND] --help` as the command prints it (at 100 columns)."""
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    blocks = dict(re.findall(r"### (\S+)\n```text\n(.*?)\n```", doc.split("<!-- help:start", 1)[1], flags=re.S))
+    commands = ["medusa-heads", "generate", "chat", "demo", "distill", "features", "train", "calibrate", "bench",
+                "export"]
+    assert sorted(blocks) == sorted(commands)
+    env = {**os.environ, "COLUMNS": "100"}
+    for name in commands:
+        argv = [str(ENTRY_POINT), *([] if name == "medusa-heads" else [name]), "--help"]
+        live = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60).stdout.rstrip()
+        assert blocks[name] == live, f"docs/cli.md's `{name} --help` is out of date; the command now prints:\n{live}"
