@@ -201,7 +201,8 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     common = ["calibrate", "--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "model"), "--data",
               str(tmp_path / "data.jsonl"), "--features", str(tmp_path / "features"), "--contexts", "8,16",
               "--repeats", "1", "--threads", "1", "--report", str(tmp_path / "report"),
-              "--accept-topk", str(len(vocab))]  # every candidate: each depth has positions whose parent is in the tree
+              "--accept-topk", str(len(vocab)),  # every candidate: each depth has positions whose parent is in the tree
+              "--force-cost"]  # a test runner's load is no reason to drop these timings (tests/test_errors.py checks that)
     main(common + ["--parts", "acceptance,lookup,cost", "--no-prepack"])
     out = capsys.readouterr().out
     assert "acceptance given the parent accepted" in out and "prompt lookup" in out and "verify ms (stock-float32-cpu-" in out

@@ -6,16 +6,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import torch
+# measure.PARTS and measure.BATCH_ROWS, kept here too so that the command line's --help imports no torch
+# (tests/test_errors.py checks that the two agree)
+PARTS = ("tree", "acceptance", "lookup", "cost", "batch", "greedy", "ngrams")
+BATCH_ROWS = (2, 4, 8)
+TIMED_PARTS = ("tree", "cost", "batch", "greedy")  # what stores timings of this machine
+MAX_SMALL_TREE_RATIO = 3.0  # a verify of 2-4 tokens costs ~1-1.5x a plain step on CPUs and GPUs; 3x: a disturbed run
 
-from medusa_heads.calibration import measure, report
-from medusa_heads.checkpoint import save_config, save_ngrams
-from medusa_heads.inference.prepack import is_prepacked
-from medusa_heads.tree.adaptive import CostModel, cost_key
-from medusa_heads.tree.calibrate import rank_paths
-from medusa_heads.tree.ngrams import NgramStore
 
-PARTS = measure.PARTS
+class UntrustedTimings(ValueError):
+    """Timings measured while other work ran (or implausible ones) were not stored; the rest of the run was."""
 
 
 @dataclass
@@ -28,13 +28,13 @@ class Settings:
     accept_topk: int = 8  # candidates per head in the acceptance calibration, per parent when timing a level
     lookup_tokens: int = 10  # prompt-lookup continuation length measured
     contexts: tuple[int, ...] = (256, 1024, 4096)  # cached context lengths of the cost model
-    batch_rows: tuple[int, ...] = measure.BATCH_ROWS  # batch sizes whose verify "batch" measures
+    batch_rows: tuple[int, ...] = BATCH_ROWS  # batch sizes whose verify "batch" measures
     batch_repeats: int = 9  # timed batched forwards per size
 
 
 def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], conversations: list[dict],
               features: str | os.PathLike, settings: Settings = Settings(), report_dir: str | os.PathLike | None = None,
-              log=print, phrase_data: tuple[list[dict], list[dict]] | None = None) -> None:
+              log=print, phrase_data: tuple[list[dict], list[dict]] | None = None, force_cost: bool = False) -> None:
     """Measure `parts` (PARTS) for `model` (a MedusaModel with the heads of heads_dir) on the held-out
     `conversations` and this machine, and write into heads_dir's config: the fixed tree that maximises predicted
     tokens/s ("tree"), and what the per-step tree runs on (config.adaptive): calibrated acceptance ("acceptance"),
@@ -42,8 +42,21 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     batch of rows for them ("batch": added to the kernels' cost model, which "cost" measures now or did before), a greedy
     verify's cost where it skips the LM head ("greedy", likewise added; inference/screen.py); and the target's
     phrasebook ("ngrams", tree/ngrams.py) from phrase_data = (conversations it learns, held-out ones): a store of
-    the first, written beside the heads (ngrams.safetensors), its acceptance measured on the second."""
+    the first, written beside the heads (ngrams.safetensors), its acceptance measured on the second.
+
+    Timings ("tree", "cost", "batch", "greedy") taken while other work loaded the machine (the load average above
+    its cores) or that are implausible (a verify of 2-4 tokens costing over 3x a plain step) are not stored, since
+    every later call sizes its trees from them: the other parts are, and UntrustedTimings (a ValueError) says why
+    at the end. force_cost=True stores them anyway (the reason stays in the config, beside them)."""
+    import torch
+
+    from medusa_heads.calibration import measure, report
+    from medusa_heads.checkpoint import save_config, save_ngrams
+    from medusa_heads.inference.prepack import is_prepacked
     from medusa_heads.training.features import load_segments
+    from medusa_heads.tree.adaptive import cost_key
+    from medusa_heads.tree.calibrate import rank_paths
+    from medusa_heads.tree.ngrams import NgramStore
 
     unknown = set(parts) - set(PARTS)
     if not parts or unknown:
@@ -61,21 +74,29 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
             log(f"calibrate: {len(have)} of the {len(ids)} held-out conversations have features in {features}; the "
                 f"other {len(ids) - len(have)} are left out (medusa-heads features --data ... --features {features})")
     details = {}
+    problems: dict[str, str | None] = {}  # timed part -> why its timings cannot be trusted (None: they can)
     if "tree" in parts:
         ranks = measure.correct_ranks(model.heads, held_out, topk=s.topk)
+        load = os.getloadavg()[0]
         latency = measure.verify_latency(model.target, list(range(1, s.max_nodes + 2)), context=s.context, repeats=s.repeats)
+        problems["tree"] = timing_problem(load, os.getloadavg()[0], torch.get_num_threads(),
+                                          [(s.context, {n: 1000 * t for n, t in latency.items()})])
         result = measure.choose_tree(rank_paths(ranks), latency, lambda spec: measure.draft_latency(model.heads, spec),
                                      s.overhead_ms / 1000, s.max_nodes)
         best = result["best"]
         log(report.tree_table(result, latency, len(ranks)))
-        config.tree = best["paths"]
-        config.extra["calibration"] = {
-            "nodes": best["nodes"], "predicted_tau": best["tau"], "predicted_speedup": best["speedup"],
-            "dtype": str(model.base_model.dtype).removeprefix("torch."), "device": str(model.base_model.device),
-            "threads": torch.get_num_threads(), "prepack": is_prepacked(model.base_model),
-            "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * best["draft_s"],
-            "overhead_ms": s.overhead_ms, "held_out_positions": len(ranks),
-        }
+        if problems["tree"] and not force_cost:
+            log(f"calibrate: the tree is not stored: {problems['tree']}")
+        else:
+            config.tree = best["paths"]
+            config.extra["calibration"] = {
+                "nodes": best["nodes"], "predicted_tau": best["tau"], "predicted_speedup": best["speedup"],
+                "dtype": str(model.base_model.dtype).removeprefix("torch."), "device": str(model.base_model.device),
+                "threads": torch.get_num_threads(), "prepack": is_prepacked(model.base_model),
+                "latency_ms": {n: 1000 * t for n, t in latency.items()}, "heads_ms": 1000 * best["draft_s"],
+                "overhead_ms": s.overhead_ms, "held_out_positions": len(ranks),
+                **({"untrusted timings": problems["tree"]} if problems["tree"] else {}),
+            }
     acceptance = lookup = cost = phrases = None
     # the held-out answers as token ids: the lookup's acceptance and the greedy verify's timing both read them
     answers = measure.tokenized_answers(tokenizer, conversations) if {"lookup", "greedy"} & set(parts) else []
@@ -93,16 +114,24 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         load = os.getloadavg()[0]  # other work on the machine slows every timing: kept beside them
         cost = (key, measure.measure_cost(model.target, model.heads, contexts=s.contexts, repeats=s.repeats,
                                           topk=s.accept_topk, overhead_ms=s.overhead_ms))
+        after = os.getloadavg()[0]
         details["cost"] = {key: {"threads": torch.get_num_threads(), "repeats": s.repeats, "parents": 4,
-                                 "topk": s.accept_topk, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}}
+                                 "topk": s.accept_topk, "load average": f"{load:.1f} -> {after:.1f}"}}
         log(report.cost_table(*cost))
+        problems["cost"] = timing_problem(load, after, torch.get_num_threads(), _rows(cost[1]))
+        if problems["cost"]:
+            details["cost"][key]["untrusted timings"] = problems["cost"]
     if "batch" in parts:
         key, one_row = _one_row_cost(cost, model, config, "a batch's cost", "batch")
         load = os.getloadavg()[0]
         cost = (key, measure.measure_batch_cost(model.target, one_row, s.batch_rows, repeats=s.batch_repeats))
+        after = os.getloadavg()[0]
         details.setdefault("cost", {}).setdefault(key, {})["batches"] = {
-            "rows": list(s.batch_rows), "repeats": s.batch_repeats, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}"}
+            "rows": list(s.batch_rows), "repeats": s.batch_repeats, "load average": f"{load:.1f} -> {after:.1f}"}
         log(report.batch_cost_table(*cost))
+        problems["batch"] = timing_problem(load, after, torch.get_num_threads())
+        if problems["batch"]:
+            details["cost"][key]["batches"]["untrusted timings"] = problems["batch"]
     if "greedy" in parts:
         key, one_row = _one_row_cost(cost, model, config, "a greedy verify's cost", "greedy")
         if model.target.screen.get() is None:  # greedy verifies run the LM head here: ms holds their cost already
@@ -110,11 +139,15 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         else:
             load = os.getloadavg()[0]
             cost = (key, measure.measure_greedy_cost(model.target, one_row, answers, repeats=s.repeats))
+            after = os.getloadavg()[0]
             details.setdefault("cost", {}).setdefault(key, {})["greedy"] = {
-                "repeats": s.repeats, "load average": f"{load:.1f} -> {os.getloadavg()[0]:.1f}",
+                "repeats": s.repeats, "load average": f"{load:.1f} -> {after:.1f}",
                 "how": "the table above less the median milliseconds a greedy verify saves, full and greedy "
                        "verifies timed alternately on held-out answers"}
             log(report.cost_table(f"{key}, greedy", cost[1].for_greedy()))
+            problems["greedy"] = timing_problem(load, after, torch.get_num_threads(), _rows(cost[1].for_greedy()))
+            if problems["greedy"]:
+                details["cost"][key]["greedy"]["untrusted timings"] = problems["greedy"]
     if "ngrams" in parts:
         if not phrase_data or not phrase_data[0] or not phrase_data[1]:
             raise ValueError("the phrasebook needs distilled conversations to learn and held-out ones to measure on")
@@ -129,21 +162,73 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         save_ngrams(heads_dir, store)
         model.phrases = store
         log(report.ngram_table(details["ngrams"]))
+    refused = {part: why for part, why in problems.items() if why} if not force_cost else {}
+    if refused and cost is not None and refused.keys() & {"cost", "batch", "greedy"}:
+        cost = None  # measured in this run on a loaded machine: the stored cost models stay as they were
     if acceptance or lookup or cost or phrases:
         config.adaptive = measure.merge_adaptive(config.adaptive, acceptance, lookup, cost, phrases)
         old = config.extra.get("adaptive_calibration", {})
         config.extra["adaptive_calibration"] = {**old, **{k: report.brief(k, v) for k, v in details.items() if k != "cost"}}
-        if "cost" in details:
+        if "cost" in details and cost is not None:
             config.extra["adaptive_calibration"]["cost"] = {
                 k: {**old.get("cost", {}).get(k, {}), **v} for k, v in {**old.get("cost", {}), **details["cost"]}.items()}
     save_config(heads_dir, config)
     if report_dir:
         out = report.write_report(config, details, report_dir)
         log(f"report written to {out}")
+    if refused:
+        chained = {"cost", "batch", "greedy"}  # one cost model: refused together
+        dropped = [p for p in parts if p in refused or (p in chained and refused.keys() & chained)]
+        kept = [p for p in parts if p not in dropped]
+        raise UntrustedTimings(
+            f"timings not stored ({', '.join(dropped)}): {next(iter(refused.values()))}; "
+            + (f"{', '.join(kept)} stored; " if kept else "")
+            + "rerun on an idle machine, or pass --force-cost to store them anyway")
 
 
-def _one_row_cost(cost: tuple[str, CostModel] | None, model, config, what: str, part: str) -> tuple[str, CostModel]:
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _rows(cost) -> list[tuple[int, dict[int, float]]]:
+    """A cost model's tables as (context, {size: ms})."""
+    return [(c, dict(zip(cost.sizes, row))) for c, row in zip(cost.contexts, cost.ms)]
+
+
+def timing_problem(load_before: float, load_after: float, threads: int,
+                   tables: list[tuple[int, dict[int, float]]] = ()) -> str | None:
+    """Why timings taken between two readings of the 1-minute load average, with `threads` threads, cannot be
+    trusted, or None. The load counts every runnable thread, this run's too: above the cores it may use, other work
+    took turns with the timed forwards. tables: (cached context, {tree size: ms}) as measured; a verify of 2-4
+    tokens costing over MAX_SMALL_TREE_RATIO x a plain step (or a timing that is not a positive number) is one
+    that was disturbed."""
+    import math
+
+    cores, load = cpu_count(), max(load_before, load_after)
+    if load > cores + 0.5:
+        return (f"the load average was {load_before:.1f} -> {load_after:.1f} on {cores} cores while {threads} "
+                f"threads were timed (other work was running)")
+    for context, ms in tables:
+        bad = [n for n, t in ms.items() if not (math.isfinite(t) and t > 0)]
+        if bad:
+            return f"the verify of {bad[0]} tokens at {context} cached tokens took {ms[bad[0]]} ms"
+        plain = ms.get(1)
+        for n in (2, 3, 4):
+            if plain and n in ms and ms[n] > MAX_SMALL_TREE_RATIO * plain:
+                return (f"a {n}-token verify took {ms[n] / plain:.1f}x a plain step at {context} cached tokens "
+                        f"({ms[n]:.1f} vs {plain:.1f} ms; at most {MAX_SMALL_TREE_RATIO:g}x is plausible)")
+    return None
+
+
+def _one_row_cost(cost, model, config, what: str, part: str):
     """(kernels key, one-row cost model) that the `part` measurement adds to: measured in this run, else stored."""
+    from medusa_heads.inference.prepack import is_prepacked
+    from medusa_heads.tree.adaptive import CostModel, cost_key
+
     key = cost[0] if cost else cost_key(model.base_model, is_prepacked(model.base_model))
     one_row = cost[1] if cost else (config.adaptive or {}).get("cost", {}).get(key)
     if one_row is None:
@@ -164,4 +249,4 @@ def held_out_conversations(conversations: list[dict], heads_dir: str | os.PathLi
     return held
 
 
-__all__ = ["PARTS", "Settings", "calibrate", "held_out_conversations"]
+__all__ = ["PARTS", "Settings", "UntrustedTimings", "calibrate", "held_out_conversations", "timing_problem"]
