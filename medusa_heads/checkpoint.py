@@ -66,6 +66,17 @@ _UMASK = os.umask(0)  # read once (os.umask can only read it by setting it)...
 os.umask(_UMASK)  # ...and put back
 
 
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give `path` the mode a plain open() or mkdir() would (0666 / 0777 less the umask), and everything under it
+    if it is a folder: safetensors' save_file writes 0600 and mkdtemp makes 0700, which other users of a shared
+    cache or run folder could not read."""
+    path = Path(path)
+    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for p in paths:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~_UMASK)
+
+
 def _atomic_write(path: Path, write) -> None:
     """write(tmp) then rename over `path`; the file gets the mode a plain open() would (0666 less the umask),
     not mkstemp's 0600."""
@@ -120,6 +131,98 @@ def load_ngrams(directory: str | os.PathLike, vocab_size: int | None = None) -> 
     if vocab_size is not None and store.vocab_size != vocab_size:
         raise ValueError(f"{path}: n-gram store for a vocabulary of {store.vocab_size}, the heads have {vocab_size}")
     return store
+
+
+CUT_SHORT = "an interrupted download or copy: copy the file again"
+
+
+def safetensors_header(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} from a safetensors file's header, read without its tensors; a ValueError of one line
+    for a file that is cut short (the data its header names is not all there) or is not safetensors."""
+    path = Path(path)
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else None
+        if n is None or n > size - 8:
+            raise ValueError(f"{path}: cut short ({size:,} bytes, fewer than its header alone); {CUT_SHORT}")
+        try:
+            header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            tensors = {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items()}
+            end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise ValueError(f"{path}: not a safetensors file (its header does not parse); {CUT_SHORT}") from None
+    if size < 8 + n + end:
+        raise ValueError(f"{path}: cut short ({size:,} of its {8 + n + end:,} bytes); {CUT_SHORT}")
+    return tensors
+
+
+def _expected_tensors(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the tensors heads with this config save (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        lm = torch.empty(config.vocab_size, config.hidden_size)
+        heads = MedusaHeads(config, lm, lm if config.context_size else None)
+    return {k: tuple(v.shape) for k, v in heads.state_dict().items()}
+
+
+def _count(names, prefix: str, level: int = 0) -> int:
+    """How many heads (level 0) or blocks of head 0 (level 1) tensor names under `prefix` ("blocks.") hold."""
+    seen = set()
+    for name in names:
+        parts = name.split(".")
+        if name.startswith(prefix) and len(parts) > 1 + level and parts[1 + level].isdigit() and (level == 0 or parts[1] == "0"):
+            seen.add(int(parts[1 + level]))
+    return max(seen) + 1 if seen else 0
+
+
+def check_heads_files(directory: str | os.PathLike) -> None:
+    """Check a heads directory without loading its weights: every safetensors file whole, and the weights' names
+    and shapes those the config implies. A ValueError of one line says what differs ("config.json says 7 heads,
+    heads.safetensors holds 4") and what to do."""
+    d = Path(directory)
+    for name in (WEIGHTS_NAME, REFERENCE_WEIGHTS, NGRAMS_NAME):
+        if (d / name).is_file():
+            safetensors_header(d / name)
+    if is_reference_dir(d):
+        ref = json.loads((d / CONFIG_NAME).read_text())
+        held = safetensors_header(d / REFERENCE_WEIGHTS)
+        k, layers = ref.get("medusa_num_heads"), ref.get("medusa_num_layers")
+        have_k = 1 + max((int(n.split(".")[0]) for n in held if n.split(".")[0].isdigit()), default=-1)
+        if isinstance(k, int) and k != have_k:
+            raise ValueError(f"{d}: {CONFIG_NAME} says medusa_num_heads {k}, {REFERENCE_WEIGHTS} holds {have_k} heads; "
+                             f"set medusa_num_heads to {have_k} (or copy both files again from one export)")
+        if isinstance(layers, int) and layers >= 0:
+            have_layers = len({n.split(".")[1] for n in held if n.startswith("0.") and n.endswith(".linear.weight")})
+            if have_layers != layers:
+                raise ValueError(f"{d}: {CONFIG_NAME} says medusa_num_layers {layers}, {REFERENCE_WEIGHTS} holds "
+                                 f"{have_layers} per head; set it to {have_layers} (or copy both files again)")
+        return
+    config = load_config(d)
+    held = {k: shape for k, (_, shape) in safetensors_header(d / WEIGHTS_NAME).items()}
+    want = _expected_tensors(config)
+    if held == want:
+        return
+    fix = "the config was edited, or the two files come from different runs"
+    for prefix in ("blocks.", "lm_heads.", "token_proj."):
+        if any(k.startswith(prefix) for k in want) and _count(held, prefix) != _count(want, prefix) and _count(held, prefix):
+            n = _count(held, prefix)
+            raise ValueError(f"{d}: {CONFIG_NAME} says {config.num_heads} heads (num_heads), {WEIGHTS_NAME} holds {n} "
+                             f"({fix}); set num_heads to {n}, or copy both files again")
+    if _count(held, "blocks.", 1) != _count(want, "blocks.", 1) and any(k.startswith("blocks.") for k in held):
+        n = _count(held, "blocks.", 1)
+        raise ValueError(f"{d}: {CONFIG_NAME} says {config.num_layers} blocks per head (num_layers), {WEIGHTS_NAME} "
+                         f"holds {n} ({fix}); set num_layers to {n}, or copy both files again")
+    missing, unexpected = sorted(set(want) - set(held)), sorted(set(held) - set(want))
+    if missing or unexpected:
+        what = ", ".join(x for x in (f"{len(missing)} tensors missing (e.g. {missing[0]})" if missing else "",
+                                      f"{len(unexpected)} not in these heads (e.g. {unexpected[0]})" if unexpected else "") if x)
+        raise ValueError(f"{d}: {WEIGHTS_NAME} does not hold the heads {CONFIG_NAME} describes: {what} ({fix}); "
+                         "copy both files again from one run")
+    key = next(k for k in want if held[k] != want[k])
+    raise ValueError(f"{d}: {WEIGHTS_NAME} holds {key} of shape {held[key]}, {CONFIG_NAME} implies {want[key]} "
+                     f"(hidden_size {config.hidden_size}, mlp_size {config.mlp_size}, draft vocabulary "
+                     f"{config.draft_vocab_size}; {fix}); copy both files again from one run")
 
 
 def load_config(directory: str | os.PathLike) -> MedusaConfig:

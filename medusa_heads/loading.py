@@ -7,25 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from medusa_heads.default_model import DEFAULT_MODEL, resolve_model
+from medusa_heads.default_model import DEFAULT_MODEL, check_model_name, resolve_model  # noqa: F401 (check_model_name: its old home)
 from medusa_heads.inference.prepack import packs, prepack_linears
-
-
-def check_model_name(name: str | os.PathLike) -> None:
-    """Refuse, before anything loads, a model name that names a local directory which is not there or holds no
-    config.json (the embedded default's name and hub ids pass; the hub answers for those)."""
-    text = str(name)
-    if text == DEFAULT_MODEL:
-        return
-    path = Path(text).expanduser()
-    looks_local = text.startswith((os.sep, ".", "~")) or text.count("/") > 1 or bool(os.altsep and os.altsep in text)
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{text}: holds no config.json; give a model directory saved by transformers "
-                                    f"(save_pretrained), a hub id, or {DEFAULT_MODEL!r} (the embedded default)")
-    elif looks_local:
-        raise FileNotFoundError(f"{text}: no such directory; give a model directory saved by transformers, a hub id, "
-                                f"or {DEFAULT_MODEL!r} (the embedded default)")
 
 
 def _source(name: str | os.PathLike) -> str | Path:
