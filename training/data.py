@@ -28,8 +28,11 @@ def read_prompts(path: str | os.PathLike) -> list[PromptRow]:
         raise FileNotFoundError(f"no prompts file at {path}")
     stem = Path(path.name.removesuffix(".gz")).stem  # ids "<stem>:<line>" of data/x.jsonl.gz and x.jsonl agree
     rows, seen = [], set()
-    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
+    with (gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape") if path.suffix == ".gz"
+          else path.open(encoding="utf-8", errors="surrogateescape")) as f:
         for n, line in enumerate(f, 1):
+            if any("\udc80" <= c <= "\udcff" for c in line):
+                raise ValueError(f"{path}:{n}: not valid UTF-8 text; convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
             if not line.strip():
                 continue
             where = f"{path}:{n}"
@@ -109,7 +112,9 @@ def read_conversations(path: str | os.PathLike, repair: bool = False) -> list[di
         with path.open("r+b") as f:
             f.truncate(complete)
     # split on "\n" only: str.splitlines() would also split inside strings holding U+2028 and friends
-    for n, line in enumerate(data[:complete].decode("utf-8").split("\n"), 1):
+    for n, line in enumerate(data[:complete].decode("utf-8", errors="surrogateescape").split("\n"), 1):
+        if any("\udc80" <= c <= "\udcff" for c in line):
+            raise ValueError(f"{path}:{n}: not valid UTF-8 text; convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
         if not line.strip():
             continue
         try:
@@ -136,6 +141,26 @@ def append_conversations(path: str | os.PathLike, rows: list[dict]) -> None:
 def batches(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+def check_eval_split(conv_ids: list[str], fraction: float, where: str) -> None:
+    """Refuse, before any work, conversations that leave the evaluation split or the training split empty (the
+    split goes by a hash of each prompt's id: a handful of conversations may all fall on one side). The one line
+    names an eval_fraction that splits them."""
+    prompts = sorted({prompt_id(c) for c in conv_ids})
+    held = sum(is_eval(p, fraction) for p in prompts)
+    if 0 < held < len(prompts):
+        return
+    if len(prompts) < 2:
+        raise ValueError(f"{where}: {len(conv_ids)} conversation(s) of one prompt cannot be split into training and "
+                         f"evaluation (eval_fraction {fraction}); distill answers to at least two prompts (dozens to "
+                         "train useful heads)")
+    hashes = sorted(zlib.crc32(p.encode()) % 10_000 for p in prompts)
+    suggest = (hashes[0] + 1) / 10_000  # the smallest fraction that holds out the first prompt (and not the last)
+    side = "evaluation" if held == 0 else "training"
+    raise ValueError(f"{where}: none of the {len(prompts)} prompts falls in the {side} split (eval_fraction {fraction}, "
+                     f"chosen by a hash of each id); pass --set eval_fraction={suggest:g} (it holds out "
+                     f"{sum(h < suggest * 10_000 for h in hashes)} of them), or distill more prompts")
 
 
 def is_eval(conv_id: str, fraction: float) -> bool:

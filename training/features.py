@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from medusa_heads.checkpoint import follow_umask
 from medusa_heads.prompting import conversation_ids, mask_runs
 
 
@@ -41,6 +42,7 @@ def write_shard(path: Path, segments: list[Segment]) -> None:
     offsets = torch.tensor([0] + [len(s.tokens) for s in segments]).cumsum(0)
     tmp = path.with_name(f".{path.name}.tmp")
     save_file({"hidden": hidden, "tokens": tokens, "offsets": offsets}, tmp, metadata={"ids": json.dumps([s.id for s in segments])})
+    follow_umask(tmp)  # save_file writes 0600
     os.replace(tmp, path)
 
 

@@ -19,9 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from medusa_heads.checkpoint import WEIGHTS_NAME, base_fingerprint, check_fingerprint, load_config, load_heads, save_heads
+from medusa_heads.checkpoint import (WEIGHTS_NAME, base_fingerprint, check_fingerprint, follow_umask, load_config,
+                                     load_heads, save_heads)
 from medusa_heads.heads import MedusaHeads
-from medusa_heads.training.data import read_conversations
+from medusa_heads.training.data import check_eval_split, read_conversations
 from medusa_heads.training.features import Segment, segment_context
 from medusa_heads.training.loss import IGNORE, medusa_loss, topk_hits
 from medusa_heads.training.recipe import TrainRecipe
@@ -35,7 +36,8 @@ def read_data(paths: str | os.PathLike) -> list[dict]:
     convs, origin = [], {}
     for path in [p.strip() for p in str(paths).split(",") if p.strip()]:
         if not Path(path).is_file():
-            raise FileNotFoundError(f"training data {path} does not exist (write it with `medusa-heads distill`)")
+            beside = f"; {path}.gz is beside it: name that" if Path(f"{path}.gz").is_file() else ""
+            raise FileNotFoundError(f"training data {path} does not exist (write it with `medusa-heads distill`){beside}")
         rows = read_conversations(path)
         if not rows:
             raise ValueError(f"training data {path} holds no conversations")
@@ -157,6 +159,7 @@ def save_checkpoint(folder: Path, write: Callable[[Path], None], optimizer, sche
     save_file(tensors or {"empty": torch.zeros(0)}, tmp / "optimizer.safetensors")
     meta = {"step": step, "param_groups": state["param_groups"], "scheduler": scheduler.state_dict(), "recipe": recipe.to_dict()}
     (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=1))
+    follow_umask(tmp)  # save_file (the optimizer's, an adapter's) writes 0600
     old = folder.with_name(folder.name + ".old")
     if folder.exists():
         os.replace(folder, old)
@@ -245,6 +248,7 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
     from accelerate.state import AcceleratorState
 
     convs = read_data(recipe.data)
+    check_eval_split([c["id"] for c in convs], recipe.eval_fraction, recipe.data)
     out, ckpt = prepare_output(recipe, resume)
     # accelerate keeps one state per process and refuses a second run's other mixed_precision (a notebook, a sweep):
     # each run sets its own (the process group, PartialState, stays as launched)
@@ -296,5 +300,8 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
         heads.config.extra = {"recipe": recipe.to_dict(), **job.extra, "final_eval": last_eval or job.evaluate()}
         save_heads(out, heads, heads.config)
         job.finish(out)
+        for extra in (out / "adapter",):  # joint training's adapter, saved by peft through save_file (0600)
+            if extra.exists():
+                follow_umask(extra)
     accelerator.wait_for_everyone()
     return out

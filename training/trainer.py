@@ -40,25 +40,79 @@ def coverage(split: Split) -> float:
     return float((split.targets[valid, 0] != OOV).float().mean())
 
 
-def _segments(recipe: TrainRecipe, convs: list[dict], base, accelerator) -> list[Segment]:
-    """The features of the conversations to train on; those that have none in recipe.features get them first."""
-    known = {c["id"] for c in convs}
-    if accelerator.is_main_process and not known <= feature_ids(recipe.features):
-        features_from_conversations(base.to(accelerator.device), load_tokenizer(recipe.model), convs, recipe.features)
+MIN_FEATURE_CONVERSATIONS = 32  # computed at the least when max_steps bounds what train computes (a minute or two)
+
+
+def features_to_compute(recipe: TrainRecipe, convs: list[dict], have: set[str], tokenizer, processes: int = 1) -> list[dict]:
+    """The conversations without features that this run computes them for: all of them, unless max_steps reads
+    far fewer answer tokens than they hold. Then, in a seeded order, as many as give max_steps * batch_size *
+    grad_accum * processes training tokens (answer tokens as the tokenizer counts them), at least
+    MIN_FEATURE_CONVERSATIONS, and one held-out conversation if none has features yet. The same on every process."""
+    import random
+
+    missing = [c for c in convs if c["id"] not in have]
+    if len(missing) <= MIN_FEATURE_CONVERSATIONS:
+        return missing
+    need = recipe.max_steps * recipe.batch_size * recipe.grad_accum * processes
+    order = missing[:]
+    random.Random(recipe.seed).shuffle(order)
+    chosen, tokens, chunk = [], 0, 256
+    for a in range(0, len(order), chunk):
+        part = order[a : a + chunk]
+        texts = [[m["content"] for m in c["messages"] if m["role"] == "assistant"] for c in part]
+        counts = tokenizer([t for ts in texts for t in ts] or [""], add_special_tokens=False)["input_ids"]
+        i = 0
+        for c, ts in zip(part, texts):
+            n = sum(len(counts[i + j]) + 1 for j in range(len(ts)))  # + the turn's end token
+            i += len(ts)
+            chosen.append(c)
+            if not is_eval(c["id"], recipe.eval_fraction):
+                tokens += n
+            if tokens >= need and len(chosen) >= MIN_FEATURE_CONVERSATIONS:
+                break
+        else:
+            continue
+        break
+    if len(chosen) == len(missing):
+        return missing
+    if not any(is_eval(i, recipe.eval_fraction) for i in have) and not any(is_eval(c["id"], recipe.eval_fraction) for c in chosen):
+        chosen += [next(c for c in order if is_eval(c["id"], recipe.eval_fraction))]  # the split is checked non-empty
+    return chosen
+
+
+def _segments(recipe: TrainRecipe, convs: list[dict], base, accelerator) -> tuple[list[Segment], set[str]]:
+    """The features of the conversations to train on, and those conversations' ids: those that have none in
+    recipe.features get them first (where max_steps needs fewer, only some: features_to_compute)."""
+    have = feature_ids(recipe.features)
+    todo = features_to_compute(recipe, convs, have, load_tokenizer(recipe.model), accelerator.num_processes) \
+        if not {c["id"] for c in convs} <= have else []
+    missing = sum(c["id"] not in have for c in convs)
+    if todo and accelerator.is_main_process:
+        if len(todo) < missing:
+            accelerator.print(f"train: max_steps {recipe.max_steps} reads ~{recipe.max_steps * recipe.batch_size * recipe.grad_accum:,} "
+                              f"answer tokens: features are computed for {len(todo):,} of the {missing:,} conversations "
+                              f"that have none in {recipe.features} (the others are left out of this run; a larger "
+                              "max_steps computes more)")
+        else:
+            accelerator.print(f"train: computing features for {len(todo):,} conversations into {recipe.features} "
+                              "before the first step (one forward of the model each)")
+        features_from_conversations(base.to(accelerator.device), load_tokenizer(recipe.model), todo, recipe.features)
         base.cpu()
     accelerator.wait_for_everyone()
-    reused = reused_segments(convs)  # answers taken from data that trains on them already
+    known = ({c["id"] for c in convs} & have) | {c["id"] for c in todo}
+    used = [c for c in convs if c["id"] in known]
+    reused = reused_segments(used)  # answers taken from data that trains on them already
     segments = [s for s in load_segments(recipe.features, keep_ids=known) if s.id not in reused]
     if not segments:
         raise ValueError(f"no answer in {recipe.data} has a token to train on")
-    return segments
+    return segments, known
 
 
 def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume: bool) -> Job:
     from transformers import get_cosine_schedule_with_warmup
 
     base = load_base(recipe.model, prepack=False)
-    segments = _segments(recipe, convs, base, accelerator)
+    segments, used = _segments(recipe, convs, base, accelerator)
     train_segs = [s for s in segments if not is_eval(s.conv_id, recipe.eval_fraction)]
     torch.manual_seed(recipe.seed)
     heads = start_heads(recipe, base, train_segs)
@@ -92,7 +146,7 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
     def save(step: int) -> None:
         save_checkpoint(ckpt, lambda folder: save_heads(folder, accelerator.unwrap_model(model)), optimizer, scheduler, step, recipe)
 
-    info = {"conversations": len({c["id"] for c in convs}), "train_tokens": int(n), "eval_tokens": int(eval_split.hidden.shape[0]),
+    info = {"conversations": len(used), "train_tokens": int(n), "eval_tokens": int(eval_split.hidden.shape[0]),
             "draft_vocab": len(vocab), "coverage_train": coverage(train_split), "coverage_eval": coverage(eval_split)}
     return Job(step, (model,), optimizer, scheduler, max(n // per_step, 1), batch, loss,
                lambda: evaluate(accelerator.unwrap_model(model), eval_split, recipe.decay), save, info, {"data": info},
