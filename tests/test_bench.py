@@ -35,7 +35,8 @@ def test_bench_writes_tables_and_greedy_methods_match(tmp_path, real_base):
     assert "| overall | medusa (heads only) |" in table  # new heads: no prompt lookup of their own
     assert "| overall | medusa+pld (heads + lookup 10) |" in table and "| medusa:chain-4+pld3 (heads + lookup 3) |" in table
     assert result["long"]["medusa"]["tokens"] == 12 and all(result["long"][m]["same_as_hf"] for m in methods)
-    assert set(result["by_prompt"]) == {"a#1", "b#1", "b#3"}
+    assert set(result["by_prompt"]) == {"prompt 1", "prompt 2, turn 1", "prompt 2, turn 2"}  # by place, not by id
+    assert result["prompts"]["prompt 2"] == {"id": "b", "category": "multi", "text": "Two turns"}
     sizes = result["verify_sizes"]  # medusa here: the fixed 8-node tree, heads only (new heads have no lookup)
     assert set(sizes) == {9} and abs(sum(v["share"] for v in sizes.values()) - 1) < 1e-9
     assert all(1 <= v["tokens_per_step"] <= size for size, v in sizes.items())

@@ -5,6 +5,7 @@ import argparse
 import sys
 import traceback
 
+# Nothing here imports torch or transformers: `medusa-heads --help` prints at once; a command imports what it needs.
 from medusa_heads.cli.commands import (
     DEFAULT_TEMPERATURE, DEFAULT_TOP_P, cmd_bench, cmd_calibrate, cmd_chat, cmd_demo, cmd_distill, cmd_export,
     cmd_features, cmd_generate, cmd_train,
@@ -12,13 +13,33 @@ from medusa_heads.cli.commands import (
 from medusa_heads.calibration import PARTS, Settings
 from medusa_heads.config import DEFAULT_TREE
 from medusa_heads.default_model import DEFAULT_MODEL
-from medusa_heads.tree import list_presets
 
+MISTAKE = 1  # a check found a mistake (a file, a value, a model name, a device) or refused to overwrite / store
+BAD_ARGUMENT = 2  # argparse: an unknown flag, a value of the wrong type or out of range
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+EXIT_CODES = f"""exit status:
+  0    done
+  {MISTAKE}    a mistake found by a check, said in one line naming the cause and the fix, before any model loads
+       where it can be found then: a missing, empty or damaged file (a truncated heads.safetensors, heads whose
+       config.json disagrees with their weights), an unknown model name, a device this machine lacks, text that is
+       not UTF-8, --temperature/--top-p without --do-sample, heads for another base model, an export into a
+       non-empty folder (--force replaces it), calibrate timings taken on a loaded machine (--force-cost stores them)
+  {BAD_ARGUMENT}    a bad argument: an unknown flag, a value of the wrong type, an unknown choice
+  {INTERRUPTED}  interrupted (Ctrl-C); chat ends quietly with 0
+--debug (before or after the command) shows the traceback instead of the one line."""
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" after each help text, except where there is nothing to say (None, off flags)."""
+def list_presets() -> list[str]:
+    """The tree presets shipped in configs/trees/ (tree/spec.py's list_presets, without importing torch)."""
+    from importlib import resources
+
+    folder = resources.files("medusa_heads.configs") / "trees"
+    return sorted(f.name[: -len(".json")] for f in folder.iterdir() if f.name.endswith(".json"))
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" after each help text, except where there is nothing to say (None, off flags); the
+    description and epilog (the exit codes) as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None or action.default is False or action.default == []:
@@ -87,11 +108,13 @@ def _heads_args(parser: argparse.ArgumentParser, help: str, required: bool = Fal
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    # None: not given (the commands refuse --temperature / --top-p without --do-sample, and sample with the defaults)
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=_float(0.0, low_open=True), default=DEFAULT_TEMPERATURE,
-                        help="sampling temperature (with --do-sample)")
-    parser.add_argument("--top-p", type=_float(0.0, 1.0, low_open=True), default=DEFAULT_TOP_P,
-                        help="nucleus sampling: keep the smallest set of tokens with this much probability (with --do-sample)")
+    parser.add_argument("--temperature", type=_float(0.0, low_open=True), default=None,
+                        help=f"sampling temperature (with --do-sample) (default: {DEFAULT_TEMPERATURE})")
+    parser.add_argument("--top-p", type=_float(0.0, 1.0, low_open=True), default=None,
+                        help="nucleus sampling: keep the smallest set of tokens with this much probability (with "
+                             f"--do-sample) (default: {DEFAULT_TOP_P})")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
 
 
@@ -110,7 +133,7 @@ def _threads_arg(parser: argparse.ArgumentParser, default: int | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="medusa-heads", description=__doc__, formatter_class=HelpFormatter)
+    p = Parser(prog="medusa-heads", description=__doc__, formatter_class=HelpFormatter, epilog=EXIT_CODES)
     p.add_argument("--debug", action="store_true", help="on an error, show the full traceback instead of one line")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = Parser(add_help=False)  # --debug after the command name too
@@ -118,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on an error, show the full traceback instead of one line")
 
     def command(name: str, help: str, fn) -> argparse.ArgumentParser:
-        parser = sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=HelpFormatter)
+        parser = sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=HelpFormatter,
+                                epilog=f"exit status: 0 done, {MISTAKE} a mistake (one line), {BAD_ARGUMENT} a bad "
+                                       f"argument, {INTERRUPTED} interrupted; `medusa-heads --help` says more")
         parser.set_defaults(fn=fn)
         return parser
 
@@ -170,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = command("train", "train heads on distilled data (a YAML recipe; --resume continues)", cmd_train)
     t.add_argument("--config", default=None, help="recipe YAML (configs/train/...; default: the recipe's defaults)")
-    t.add_argument("--data", default=None, help="distilled conversations (overrides the recipe's data)")
+    t.add_argument("--data", default=None, help="distilled conversations (overrides the recipe's data; where only "
+                                                 "NAME.gz exists, that is read)")
     t.add_argument("--features", default=None, help="feature shards (overrides the recipe's features)")
     t.add_argument("--out", default=None, help="heads directory to write (overrides the recipe's out)")
     t.add_argument("--max-steps", dest="max_steps", type=positive, default=None, help="overrides the recipe's max_steps")
@@ -189,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the target's phrasebook: an n-gram store of its distilled answers, ngrams.safetensors, and "
                         "its acceptance)")
     c.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
-    c.add_argument("--data", default="data/distilled.jsonl", help="distilled conversations (the held-out split is used)")
+    c.add_argument("--data", default="data/distilled.jsonl",
+                   help="distilled conversations (the held-out split is used; where only NAME.gz exists, that is read)")
     c.add_argument("--features", default="data/features", help="their feature shards")
     c.add_argument("--ngram-data", nargs="+", default=None,
                    help="distilled conversations the phrasebook learns (--parts ngrams; default: --data); the heads' "
@@ -206,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-rows", default=",".join(map(str, CAL.batch_rows)), help="batch sizes whose verify --parts batch measures")
     c.add_argument("--report", default=None, help="folder for a calibration report (report.md, reliability.png)")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's dtype")
+    c.add_argument("--force-cost", action="store_true",
+                   help="store timings (tree, cost, batch, greedy) even when they cannot be trusted: taken while other "
+                        "work loaded the machine, or implausible (by default they are not stored, and calibrate "
+                        f"ends with status {MISTAKE} saying why)")
     _prepack_arg(c)
     _device_arg(c)
     _threads_arg(c, 2)
@@ -243,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
     e.add_argument("--allow-base-mismatch", action="store_true",
                    help="export heads trained for another base model of the same sizes")
+    e.add_argument("--force", action="store_true",
+                   help="export into a folder that holds files already: what an export writes (either layout's files) "
+                        "is replaced, so the folder holds one layout")
     return p
 
 

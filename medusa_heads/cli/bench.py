@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -105,13 +106,11 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
     with "+pld" / "+pldN" (prompt lookup of N tokens; "+pld0": heads only; default: the heads' lookup_tokens).
     long_tokens > 0 adds one open-writing prompt of that many new tokens, EOS ignored, timed apart.
     Returns {"overall": {method: stats}, "by_category": {cat: {method: stats}}, "by_prompt", "long", "profile"}."""
-    from medusa_heads.model import ADAPTIVE
-
     base = model.base_model
     device = base.device
     counter = ForwardCounter(base)
     methods = check_methods(methods)
-    configured, fixed = (ADAPTIVE if model.adaptive else model.tree), model.tree
+    trees = {"medusa": None, "medusa-static": model.tree, "medusa-preset": preset}  # None: the model's default
     gen = dict(do_sample=False) if sampling is None else dict(do_sample=True, **sampling)
 
     def call(method: str, ids: torch.Tensor, max_new_tokens: int = max_new_tokens, **gen):
@@ -124,10 +123,9 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
             return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  prompt_lookup_num_tokens=PLD_TOKENS, **gen), None
         name, lookup = parse_method(method)
-        trees = {"medusa": configured, "medusa-static": fixed, "medusa-preset": preset}
-        model.set_tree(trees[name] if name in trees else name.split(":", 1)[1])
         extra = {} if lookup is None else dict(prompt_lookup_num_tokens=lookup)
         res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             tree=trees[name] if name in trees else name.split(":", 1)[1],
                              return_dict_in_generate=True, **gen, **extra)
         return res.sequences, res.stats
 
@@ -158,7 +156,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                 dt = time.perf_counter() - t0
                 outs[m] = seq
                 new = seq.shape[1] - ids.shape[1]
-                by_prompt.setdefault(f"{row.id}#{len(messages)}", {})[m] = new / dt
+                by_prompt.setdefault(prompt_name(i, row, len(messages) // 2 + 1), {})[m] = new / dt
                 for cat in ("overall", row.category or "uncategorised"):
                     a = acc[cat][m]
                     a["seconds"] += dt
@@ -192,7 +190,6 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
             long[m]["speedup_vs_hf"] = long[m]["tokens_per_s"] / long["hf"]["tokens_per_s"]
             long[m]["same_as_hf"] = bool(torch.equal(long[m].pop("seq"), long["hf"]["seq"])) if m != "hf" else True
         long["hf"].pop("seq")
-    model.set_tree(configured)
     counter.handle.remove()
 
     def summarise(per_method: dict) -> dict:
@@ -213,16 +210,17 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
     result = {
         "overall": summarise(acc.pop("overall")),
         "by_category": {cat: summarise(v) for cat, v in sorted(acc.items())},
-        "by_prompt": speedups,
+        "by_prompt": speedups,  # "prompt N" (", turn T"): the N-th row of the bench's prompts file
+        "prompts": {prompt_name(i, r): {"id": r.id, "category": r.category, "text": r.turns[0]} for i, r in enumerate(rows)},
         "long": {"max_new_tokens": long_tokens, "prompt": LONG_PROMPT, **long} if long else None,
         "labels": {m: method_label(m, model.config.lookup_tokens, model.adaptive and model.phrasebook() is not None)
                    for m in methods},
         "settings": {"model": base.name_or_path, "max_new_tokens": max_new_tokens, "sampling": sampling, "prompts": len(rows),
-                     "tree": "adaptive" if configured == ADAPTIVE else f"fixed, {fixed.num_nodes} nodes",
-                     "fixed_tree_nodes": fixed.num_nodes, "preset": preset,
+                     "tree": "adaptive" if model.adaptive else f"fixed, {model.tree.num_nodes} nodes",
+                     "fixed_tree_nodes": model.tree.num_nodes, "preset": preset,
                      "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype),
                      "prepacked_linears": is_prepacked(base), "hardware": hardware(device),
-                     "cost_model": model.cost_model_key() if configured == ADAPTIVE else None},
+                     "cost_model": model.cost_model_key() if model.adaptive else None},
     }
     if profile:
         total = profile.pop("total")
@@ -235,6 +233,12 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         result["verify_sizes"] = {size: {"steps": n, "share": n / total, "tokens_per_step": emitted / n}
                                   for size, (n, emitted) in sorted(verify_sizes.items())}
     return result
+
+
+def prompt_name(i: int, row, turn: int | None = None) -> str:
+    """A bench prompt's name in results: its place in the prompts file ("prompt 3", "prompt 3, turn 2"), not its
+    id (which says where a prompt was drawn from, e.g. train_prompts:12104 for a held-out training prompt)."""
+    return f"prompt {i + 1}" + (f", turn {turn}" if turn is not None and len(row.turns) > 1 else "")
 
 
 def _setup_text(st: dict) -> str:
@@ -269,7 +273,10 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     if result.get("by_prompt"):
         per = result["by_prompt"]
         worst = min(per, key=lambda p: per[p][main])
-        lines.append(f"Slowest single prompt for `{main}`: {worst} ({per[worst][main]:.2f}x).")
+        about = result.get("prompts", {}).get(worst.split(",")[0])
+        text = "" if not about else (f" ({about['category'] + ', ' if about.get('category') else ''}"
+                                      f"\"{_clip(about['text'], 60)}\")")
+        lines.append(f"Slowest single prompt for `{main}`: {worst}{text}: {per[worst][main]:.2f}x.")
     if result.get("long"):
         lg = result["long"]
         lines += ["", f"Long generation ({lg['max_new_tokens']} new tokens of open writing, EOS ignored):", "",
@@ -291,7 +298,8 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     cats = ["overall", *result["by_category"]]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats) * len(methods) / 2), 4))
+    width_in = max(7, 1.2 * len(cats) * len(methods) / 2)
+    fig, ax = plt.subplots(figsize=(width_in, 4.5))
     width = 0.8 / len(methods)
     for j, m in enumerate(methods):
         vals = [(result["overall"] if c == "overall" else result["by_category"][c])[m]["speedup_vs_hf"] for c in cats]
@@ -300,14 +308,25 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speed-up vs transformers generate")
-    ax.set_title(f"{title}\n{_setup_text(st)}", fontsize=8)
+    # the settings line wrapped to the figure (at 8 pt, ~15 characters an inch), never clipped at its edges
+    wrap = max(40, int(width_in * 15))
+    ax.set_title("\n".join(textwrap.fill(t, wrap) for t in (title, _setup_text(st))), fontsize=8)
     for j, m in enumerate(methods):
         tau = result["overall"][m]["mean_accepted"]
         ax.annotate(f"\u03c4 {tau:.2f}", (j * width, result["overall"][m]["speedup_vs_hf"]), fontsize=6, ha="center", va="bottom")
-    ax.legend(fontsize=7)
+    top = max((result["overall"] if c == "overall" else result["by_category"][c])[m]["speedup_vs_hf"]
+              for c in cats for m in methods)
+    ax.set_ylim(0, max(top, 1.0) * 1.12)  # room for the tau labels above the tallest bar
+    # the legend below the axes, where no bar is (inside, it covered the bars of some category)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(len(methods), 3), frameon=False)
     fig.tight_layout()
-    fig.savefig(out / "speedup.png", dpi=100)
+    fig.savefig(out / "speedup.png", dpi=100, bbox_inches="tight", pad_inches=0.15)
     plt.close(fig)
+
+
+def _clip(text: str, n: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1].rstrip() + "\u2026"
 
 
 def run_batch_bench(model, tokenizer, rows: list[PromptRow], batch_sizes: list[int], max_new_tokens: int = 128) -> dict:

@@ -1,15 +1,15 @@
 """The bodies of the medusa-heads commands; medusa_heads.cli holds their arguments.
 
 Each command checks its arguments and files before it loads a model, and says why it stops in one line
-(SystemExit("...") here; the library's ValueError / OSError are cut to one line by medusa_heads.cli.main)."""
+(SystemExit("...") here; the library's ValueError / OSError are cut to one line by medusa_heads.cli.main).
+Nothing is imported at the top that imports torch: `medusa-heads --help` stays quick."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
-
-from medusa_heads.prompting import has_chat_template, prompt_ids
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -21,14 +21,86 @@ def _note(message: str) -> None:
     print(f"medusa-heads: {message}", file=sys.stderr)
 
 
-def _check_model(name: str) -> None:
-    """Refuse a --model that names a local directory which is not there (a hub id is left to the hub)."""
-    from medusa_heads.loading import check_model_name
+def _check_model(name: str, flag: str = "--model") -> None:
+    """Refuse a --model that names a local directory which is not there, or a name that is neither embedded nor
+    local while the hub cannot be reached (an id the hub may hold is left to the hub)."""
+    from medusa_heads.default_model import check_model_name
 
     try:
         check_model_name(name)
     except FileNotFoundError as e:
-        raise SystemExit(f"--model {e}") from None
+        raise SystemExit(f"{flag} {e}") from None
+
+
+def _check_device(device: str | None) -> None:
+    """Refuse a --device this machine (or this PyTorch build) does not have, before any model loads."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise SystemExit(f"--device {device}: not a device name; give cpu, cuda or cuda:N (or leave out --device for "
+                         "the CPU)") from None
+    if d.type == "cpu":
+        return
+    if d.type == "cuda":
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            raise SystemExit(f"--device {device}: this PyTorch ({torch.__version__}) is a CPU-only build; leave out "
+                             "--device to run on the CPU, or install a CUDA build of torch")
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {device}: no CUDA GPU is visible (torch.cuda.is_available() is False: check "
+                             "the driver and CUDA_VISIBLE_DEVICES); leave out --device to run on the CPU")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise SystemExit(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 to "
+                             f"cuda:{torch.cuda.device_count() - 1})")
+        return
+    backend = getattr(torch, d.type, None) if d.type != "mps" else getattr(torch.backends, "mps", None)
+    if backend is None or not getattr(backend, "is_available", lambda: False)():
+        raise SystemExit(f"--device {device}: this machine or PyTorch build has no {d.type} device; leave out "
+                         "--device to run on the CPU")
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """Refuse text that arrived as bytes which are not UTF-8 (Python keeps them as lone surrogates, which no
+    tokenizer takes), naming the first bad byte."""
+    message = _not_utf8(text)
+    if message:
+        raise SystemExit(f"{what} {message}; pass UTF-8 text (convert it, e.g. with iconv -f latin1 -t utf-8)")
+
+
+def _not_utf8(text: str) -> str | None:
+    """"is not valid UTF-8 (byte 0xff at character 3)" for text holding undecodable bytes, else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        return f"is not valid UTF-8 ({byte} at character {e.start + 1})"
+    return None
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """--temperature / --top-p shape sampling only: without --do-sample they would be ignored, so they are refused.
+    With --do-sample, what is not given takes its default."""
+    given = [flag for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)) if value is not None]
+    if given and not args.do_sample:
+        raise SystemExit(f"{' and '.join(given)} set{'s' if len(given) == 1 else ''} sampling, but decoding is greedy "
+                         f"without --do-sample; add --do-sample, or leave out {' and '.join(given)}")
+    if args.temperature is None:
+        args.temperature = DEFAULT_TEMPERATURE
+    if args.top_p is None:
+        args.top_p = DEFAULT_TOP_P
+
+
+def _data_file(path: str, flag: str) -> str:
+    """A data file that must exist; where only PATH.gz does (what the repo ships), that one, said once."""
+    if not Path(path).exists() and not path.endswith(".gz") and Path(path + ".gz").is_file():
+        _note(f"{flag} {path} does not exist; reading {path}.gz beside it")
+        return path + ".gz"
+    _check_file(path, flag)
+    return path
 
 
 def _check_heads(path: str | None, flag: str = "--heads") -> None:
@@ -45,6 +117,12 @@ def _check_heads(path: str | None, flag: str = "--heads") -> None:
     if not (d / CONFIG_NAME).is_file() or not ((d / WEIGHTS_NAME).is_file() or (d / REFERENCE_WEIGHTS).is_file()):
         raise SystemExit(f"{flag} {path}: holds no heads ({CONFIG_NAME} + {WEIGHTS_NAME}, or the reference "
                          f"{REFERENCE_WEIGHTS}); {train}")
+    from medusa_heads.checkpoint import check_heads_files
+
+    try:  # the files' headers against the config: a truncated download, an edited config
+        check_heads_files(d)
+    except ValueError as e:
+        raise SystemExit(f"{flag} {e}") from None
 
 
 def _check_file(path: str, flag: str) -> None:
@@ -56,7 +134,7 @@ def _read_prompts(path: str):
     """The prompt rows of --prompts; refuses a missing or empty file (a malformed line: ValueError naming file:line)."""
     from medusa_heads.training.data import read_prompts
 
-    _check_file(path, "--prompts")
+    path = _data_file(path, "--prompts")
     rows = read_prompts(path)
     if not rows:
         raise SystemExit(f'--prompts {path}: no prompts in it; write one JSON object per line, {{"prompt": "..."}} '
@@ -67,6 +145,7 @@ def _read_prompts(path: str):
 def _load_tokenizer(name: str):
     """The tokenizer, loaded before the model (it is quick and fails quickly); says once if prompts are plain text."""
     from medusa_heads.loading import load_tokenizer
+    from medusa_heads.prompting import has_chat_template
 
     tok = load_tokenizer(name)
     if not has_chat_template(tok):
@@ -88,12 +167,13 @@ def _load_base(name: str, dtype: str = "fp32", prepack: bool = True):
 def _load_medusa(args: argparse.Namespace):
     """Base model, tokenizer and MedusaModel for the generating commands (--model, --heads, --tree); says when the
     heads are untrained."""
+    _check_model(args.model)
+    _check_heads(args.heads)
+    _check_device(args.device)
     import torch
 
     from medusa_heads.model import MedusaModel
 
-    _check_model(args.model)
-    _check_heads(args.heads)
     tok = _load_tokenizer(args.model)
     # from_pretrained prepacks (where this CPU can) after merging a Medusa-2 adapter into the base, heads too
     model = MedusaModel.from_pretrained(args.model, heads=args.heads or "auto", tree=getattr(args, "tree", None),
@@ -117,7 +197,11 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    _check_utf8(args.prompt, "--prompt")
+    _check_sampling(args)
     from transformers import TextStreamer
+
+    from medusa_heads.prompting import prompt_ids
 
     model, tok = _load_medusa(args)
     ids = prompt_ids(tok, args.prompt).to(model.base_model.device)
@@ -130,21 +214,33 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> None:
     """Interactive chat with the chat template; replies stream as they are accepted, then tokens/s and tau.
-    An empty line, Ctrl-D or Ctrl-C ends it."""
+    An empty line, Ctrl-D or Ctrl-C ends it; a line that is not UTF-8 is said and skipped, and the chat goes on."""
+    _check_sampling(args)
     from transformers import TextStreamer
+
+    from medusa_heads.prompting import prompt_ids
 
     model, tok = _load_medusa(args)
     messages: list[dict] = []
     print("medusa-heads chat: empty line, Ctrl-D or Ctrl-C to quit", file=sys.stderr)
     sampling = _sampling(args)
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 arrive as lone surrogates, said below, and
+        sys.stdin.reconfigure(errors="surrogateescape")  # never as a UnicodeDecodeError that would end the chat
     try:
         while True:
             try:
                 line = input("> ").strip()
             except EOFError:
                 break
+            except UnicodeDecodeError as e:  # a stdin that could not be reconfigured
+                _note(f"chat: that line is not valid UTF-8 (byte 0x{e.object[e.start]:02x}); it was skipped: type it again")
+                continue
             if not line:
                 break
+            bad = _not_utf8(line)
+            if bad:
+                _note(f"chat: that line {bad}; it was skipped: type it again")
+                continue
             messages.append({"role": "user", "content": line})
             ids = prompt_ids(tok, messages).to(model.base_model.device)
             t = time.perf_counter()
@@ -168,8 +264,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
     """Greedy generation with plain generate and with Medusa, alternating; prints tokens/s, tau and equality.
     With prepacked linears (the default on a CPU) transformers' generate also runs on the stock kernels."""
     import torch
+    from tqdm import tqdm
 
     from medusa_heads.inference.prepack import is_prepacked, stock_kernels
+    from medusa_heads.prompting import prompt_ids
 
     torch.set_num_threads(args.threads)
     model, tok = _load_medusa(args)
@@ -185,9 +283,19 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
     ids = prompt_ids(tok, "Hi").to(base.device)
     base.generate(ids, max_new_tokens=4, do_sample=False), model.generate(ids, max_new_tokens=4)  # warm-up
+    t = time.perf_counter()
+    base.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    per_token = (time.perf_counter() - t) / 8  # plain generate's seconds a token: the estimate below
+    methods = ["transformers"] + (["transformers, stock kernels"] if packed else []) + ["medusa-heads"]
+    # plain generate at its own pace (the stock kernels ~1.5x slower), medusa at about half of it
+    estimate = len(DEMO_PROMPTS) * args.max_new_tokens * per_token * (1 + (1.5 if packed else 0) + 0.5)
+    print(f"demo: {len(DEMO_PROMPTS)} prompts x {len(methods)} methods ({', '.join(methods)}) x up to "
+          f"{args.max_new_tokens} new tokens, greedy, {args.threads} threads: about {_duration(estimate)} here "
+          "(fewer --max-new-tokens is quicker)", flush=True)
     seconds = dict.fromkeys(["hf", "medusa"] + (["hf_stock"] if packed else []), 0.0)
     n_tok = same = 0
     taus = []
+    bar = tqdm(total=len(DEMO_PROMPTS) * len(seconds), desc="demo", unit="run", file=sys.stderr)
     for i, prompt in enumerate(DEMO_PROMPTS):
         ids = prompt_ids(tok, prompt).to(base.device)
         runs = [("hf", lambda: base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)),
@@ -196,20 +304,31 @@ def cmd_demo(args: argparse.Namespace) -> None:
             runs.append(("hf_stock", lambda: hf_stock(ids)))
         out = {}
         for name, fn in runs if i % 2 == 0 else runs[::-1]:  # alternate the order
+            bar.set_postfix_str(f"prompt {i + 1}, {name}")
             t = time.perf_counter()
             out[name] = fn()
             seconds[name] += time.perf_counter() - t
+            bar.update(1)
         n_tok += out["hf"].shape[1] - ids.shape[1]
         same += int(torch.equal(out["hf"], out["medusa"].sequences))
         taus.append(out["medusa"].stats.mean_accepted)
-        print(f"[{i + 1}] {prompt}\n    {tok.decode(out['hf'][0, ids.shape[1]:], skip_special_tokens=True)[:160]!r}...")
+        bar.write(f"[{i + 1}] {prompt}\n    {tok.decode(out['hf'][0, ids.shape[1]:], skip_special_tokens=True)[:160]!r}...",
+                  file=sys.stdout)
+    bar.close()
     print(f"\n{'method':<36}{'tokens/s':>10}{'tau':>7}{'speed-up':>10}")
+    print(f"{'transformers' + (', prepacked' if packed else '') + ' (baseline)':<36}{n_tok / seconds['hf']:>10.1f}"
+          f"{1.0:>7.2f}{1.0:>10.2f}")
     if packed:
         print(f"{'transformers, stock kernels':<36}{n_tok / seconds['hf_stock']:>10.1f}{1.0:>7.2f}{seconds['hf'] / seconds['hf_stock']:>10.2f}")
-    print(f"{'transformers' + (', prepacked' if packed else ''):<36}{n_tok / seconds['hf']:>10.1f}{1.0:>7.2f}{1.0:>10.2f}")
     print(f"{'medusa-heads' + (', prepacked' if packed else ''):<36}{n_tok / seconds['medusa']:>10.1f}{sum(taus) / len(taus):>7.2f}"
           f"{seconds['hf'] / seconds['medusa']:>10.2f}")
+    print("tau: tokens each forward of the model yields (plain generate: 1; medusa: the drafted tokens it accepts + 1); "
+          "speed-up: against the baseline row")
     print(f"identical outputs (medusa vs transformers on the same kernels): {same}/{len(DEMO_PROMPTS)}")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
@@ -241,6 +360,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
                              "--temperature > 0, or rows with follow-up turns")
         rows = as_variant(rows, args.variant)
     _check_heads(args.heads)
+    _check_model(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
     base, tok = _load_base(args.model, prepack=args.prepack)
@@ -257,8 +377,9 @@ def cmd_features(args: argparse.Namespace) -> None:
     from medusa_heads.training.data import read_conversations
     from medusa_heads.training.features import features_from_conversations
 
-    _check_file(args.data, "--data")
-    conversations = read_conversations(args.data)
+    data = _data_file(args.data, "--data")
+    _check_model(args.model)
+    conversations = read_conversations(data)
     torch.set_num_threads(args.threads)
     base, tok = _load_base(args.model, prepack=args.prepack)
     n = features_from_conversations(base, tok, conversations, args.features)
@@ -280,6 +401,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         if getattr(args, key) is not None:
             overrides.append(f"{key}={getattr(args, key)}")
     recipe = TrainRecipe.load(args.config, overrides)
+    # before any work: the data files (NAME.gz where only it exists) and the model's name
+    flag = "--data" if args.data is not None else "the recipe's data"
+    data = ",".join(_data_file(p.strip(), flag) for p in recipe.data.split(",") if p.strip())
+    if data != recipe.data:
+        recipe = TrainRecipe.load(args.config, [*overrides, f"data={data}"])
+    _check_model(recipe.model, "the recipe's model")
     out = train(recipe, resume=args.resume)
     print(f"heads written to {out}", file=sys.stderr)
 
@@ -299,12 +426,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     """Measure on held-out data and this machine, and write into the heads' config (medusa_heads.calibration)."""
     import torch
 
-    from medusa_heads.calibration import Settings, calibrate, held_out_conversations
+    from medusa_heads.calibration import PARTS, TIMED_PARTS, Settings, calibrate, cpu_count, held_out_conversations
     from medusa_heads.loading import load_tokenizer
     from medusa_heads.model import MedusaModel
     from medusa_heads.training.data import read_conversations
-
-    from medusa_heads.calibration import PARTS
 
     parts = [p for p in args.parts.split(",") if p]
     if not parts or set(parts) - set(PARTS):
@@ -312,16 +437,21 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     _check_heads(args.heads)
     needs_data = bool(set(parts) - {"cost", "batch", "ngrams"})  # timings need no conversations (but a greedy verify's:
     # it runs on the target's own text); the phrasebook reads its own
-    if needs_data:
-        _check_file(args.data, "--data")
+    data = args.data
+    if needs_data or ("ngrams" in parts and not args.ngram_data):
+        data = _data_file(args.data, "--data")
     _check_model(args.model)
+    _check_device(args.device)
     torch.set_num_threads(args.threads)
-    conversations = held_out_conversations(read_conversations(args.data), args.heads) if needs_data else []
+    timed = [p for p in parts if p in TIMED_PARTS]
+    load, cores = os.getloadavg()[0], cpu_count()
+    if timed and not args.force_cost and load > cores + 0.5:
+        _note(f"the load average is {load:.1f} on {cores} cores: other work is running, and timings ({', '.join(timed)}) "
+              "taken now will not be stored unless the load falls (--force-cost stores them anyway)")
+    conversations = held_out_conversations(read_conversations(data), args.heads) if needs_data else []
     phrase_data = None
     if "ngrams" in parts:  # the heads' held-out prompts are the phrasebook's too
-        files = args.ngram_data or [args.data]
-        for f in files:
-            _check_file(f, "--ngram-data")
+        files = [_data_file(f, "--ngram-data") for f in args.ngram_data] if args.ngram_data else [data]
         every = [c for f in files for c in read_conversations(f)]
         held = held_out_conversations(every, args.heads)
         ids = {c["id"] for c in held}
@@ -335,7 +465,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
                         contexts=tuple(int(c) for c in args.contexts.split(",")),
                         batch_rows=_int_list(args.batch_rows, "--batch-rows"))
     calibrate(model, load_tokenizer(args.model), args.heads, parts, conversations,
-              args.features, settings, args.report, phrase_data=phrase_data)
+              args.features, settings, args.report, phrase_data=phrase_data, force_cost=args.force_cost)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -343,6 +473,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from medusa_heads.cli.bench import check_methods, run_batch_bench, run_bench, write_batch_results, write_results
 
+    _check_sampling(args)
     rows = _read_prompts(args.prompts)[: args.limit]
     out = Path(args.out or time.strftime("runs/bench-%Y%m%d-%H%M%S"))
     if out.exists() and not out.is_dir():
@@ -393,10 +524,12 @@ def cmd_export(args: argparse.Namespace) -> None:
     config.json); --format vllm, everything vLLM 0.32's Medusa reads (biases, draft vocabulary, shared LM head)."""
     import torch
 
-    from medusa_heads.checkpoint import export_reference, export_vllm, is_reference_dir, load_config, vllm_exportable
+    from medusa_heads.checkpoint import (CONFIG_NAME, REFERENCE_WEIGHTS, VLLM_WEIGHTS, export_reference, export_vllm,
+                                         is_reference_dir, load_config, vllm_exportable)
     from medusa_heads.model import MedusaModel
 
     _check_heads(args.heads_dir, flag="heads directory")
+    layouts = _check_export_target(args.heads_dir, args.out, args.force)
     _check_model(args.model)
     if args.format == "vllm" and not is_reference_dir(args.heads_dir):
         vllm_exportable(load_config(args.heads_dir))  # refuse before loading the model
@@ -404,4 +537,27 @@ def cmd_export(args: argparse.Namespace) -> None:
                                         allow_base_mismatch=args.allow_base_mismatch)  # the weights as stored, fp32
     export = export_vllm if args.format == "vllm" else export_reference
     out = export(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)
-    print(f"exported to {out}", file=sys.stderr)
+    written = {VLLM_WEIGHTS if args.format == "vllm" else REFERENCE_WEIGHTS, CONFIG_NAME}
+    for name in sorted(set(layouts) - written):  # --force: the folder ends with one layout, the one just written
+        (out / name).unlink(missing_ok=True)
+    print(f"exported to {out}" + (f" (replaced {', '.join(sorted(layouts))})" if layouts else ""), file=sys.stderr)
+
+
+def _check_export_target(heads_dir: str, out: str, force: bool) -> list[str]:
+    """Refuse an export folder that is a file, the heads directory itself, or that holds files already (unless
+    --force). Returns the heads files of any layout there (--force replaces them all: one layout is left)."""
+    from medusa_heads.checkpoint import CONFIG_NAME, NGRAMS_NAME, REFERENCE_WEIGHTS, VLLM_WEIGHTS, WEIGHTS_NAME
+
+    target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise SystemExit(f"{out}: is a file; give a folder to export the heads to")
+    if not target.is_dir() or not any(target.iterdir()):
+        return []
+    if target.resolve() == Path(heads_dir).resolve():
+        raise SystemExit(f"{out}: is the heads directory being exported; give another folder")
+    names = sorted(p.name for p in target.iterdir())
+    if not force:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise SystemExit(f"{out}: exists and holds files ({shown}); give a new or empty folder, or pass --force to "
+                         "replace the heads there (only one layout is left)")
+    return [n for n in names if n in (CONFIG_NAME, WEIGHTS_NAME, NGRAMS_NAME, REFERENCE_WEIGHTS, VLLM_WEIGHTS)]
