@@ -64,7 +64,7 @@ SMALL = {
     "distill": ["--limit", "8", "--max-new-tokens", "12", "--batch-size", "2"],
     "train": ["--set", "max_steps=2", "--set", "eval_fraction=0.5", "--set", "eval_every=1", "--set", "save_every=1",
               "--set", "batch_size=8"],
-    "calibrate": ["--parts", "tree,lookup", "--max-nodes", "4", "--repeats", "1", "--threads", "1", "--force-cost"],
+    "calibrate": ["--parts", "tree,lookup", "--max-nodes", "4", "--repeats", "1", "--threads", "1"],
     "bench": ["--limit", "2", "--max-new-tokens", "8", "--long-tokens", "0", "--methods", "hf,medusa", "--threads", "1",
               "--out", "runs/bench"],
 }
