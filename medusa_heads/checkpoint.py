@@ -185,7 +185,12 @@ def check_heads_files(directory: str | os.PathLike) -> None:
         if (d / name).is_file():
             safetensors_header(d / name)
     if is_reference_dir(d):
-        ref = json.loads((d / CONFIG_NAME).read_text())
+        try:
+            ref = json.loads((d / CONFIG_NAME).read_text())
+        except ValueError as e:
+            raise ValueError(f"{d / CONFIG_NAME}: not valid JSON ({e})") from None
+        if not isinstance(ref, dict):
+            raise ValueError(f"{d / CONFIG_NAME}: not a heads config (a JSON object)")
         held = safetensors_header(d / REFERENCE_WEIGHTS)
         k, layers = ref.get("medusa_num_heads"), ref.get("medusa_num_layers")
         have_k = 1 + max((int(n.split(".")[0]) for n in held if n.split(".")[0].isdigit()), default=-1)
@@ -198,7 +203,12 @@ def check_heads_files(directory: str | os.PathLike) -> None:
                 raise ValueError(f"{d}: {CONFIG_NAME} says medusa_num_layers {layers}, {REFERENCE_WEIGHTS} holds "
                                  f"{have_layers} per head; set it to {have_layers} (or copy both files again)")
         return
-    config = load_config(d)
+    try:
+        config = load_config(d)
+    except (TypeError, AttributeError) as e:  # a value of the wrong type ("num_heads": "7"), not a JSON object
+        raise ValueError(f"{d / CONFIG_NAME}: not a valid heads config ({e})") from None
+    except ValueError as e:
+        raise ValueError(str(e) if str(d) in str(e) else f"{d / CONFIG_NAME}: {e}") from None
     held = {k: shape for k, (_, shape) in safetensors_header(d / WEIGHTS_NAME).items()}
     want = _expected_tensors(config)
     if held == want:

@@ -114,6 +114,10 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
     base = load_base(recipe.model, prepack=False)
     segments, used = _segments(recipe, convs, base, accelerator)
     train_segs = [s for s in segments if not is_eval(s.conv_id, recipe.eval_fraction)]
+    if not train_segs or len(train_segs) == len(segments):  # the conversations split, but one side's answers are empty
+        side = "training" if not train_segs else "evaluation"
+        raise ValueError(f"{recipe.data}: no answer in the {side} split has a token to learn (eval_fraction "
+                         f"{recipe.eval_fraction}); distill more prompts, or change eval_fraction (--set eval_fraction=...)")
     torch.manual_seed(recipe.seed)
     heads = start_heads(recipe, base, train_segs)
     vocab = heads.config.draft_vocab or list(range(heads.config.vocab_size))
