@@ -130,18 +130,23 @@ def test_readme_training_commands_run_for_the_embedded_model(tmp_path):
     assert not any("no chat template" in log for log in logs)
 
 
-# The README's other command lines, outside the training section (run by the test above): those that finish within a
-# minute run here as printed; `chat` is interactive, and `bench`, `demo` and `calibrate` take minutes.
+# The README's other command lines (its training section runs above) and those of docs/: the ones that finish within
+# a minute run here as printed; `chat` is interactive, and `bench`, `demo`, `distill`, `train` and `calibrate` take
+# minutes to hours as printed.
 QUICK = {"generate", "export"}
 
 
 def quick_commands() -> list[list[str]]:
+    """The quick command lines of the README (outside its training section) and of docs/*.md, each once."""
     text = README.read_text()
     before, rest = text.split("## Train heads for your own model", 1)
     after = rest.split("\n## ", 1)[1]
     commands = bash_lines(before + after)
     assert ["--help"] in commands and any(c[0] == "generate" for c in commands)
-    return [c for c in commands if c[0] in QUICK or "--help" in c]
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        commands += bash_lines(page.read_text())
+    unique = [c for i, c in enumerate(commands) if c not in commands[:i]]
+    return [c for c in unique if c[0] in QUICK or "--help" in c]
 
 
 def run_as_printed(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
