@@ -44,8 +44,8 @@ test-vllm: setup vllm-setup
 	timeout 1800 $(VPY) scripts/vllm_check.py check --export $(VLLM_RUN)/heads --ours $(VLLM_RUN)/ours.json
 
 # The standard benchmark set behind README's results table: each run writes results.md, results.json and
-# speedup.png into its folder of results/ (see that folder's README.md). About 2 hours on the 2-core CPU; nothing
-# else should run meanwhile. The GPU run is results/gpu/run.sh.
+# speedup.png into its folder of results/ (see that folder's README.md). About 40 minutes on the 2-core CPU, from the
+# token rates those files report; nothing else should run meanwhile. The GPU run is results/gpu/run.sh.
 MH := $(VENV)/bin/medusa-heads
 BENCH_PROMPTS := data/bench_prompts.jsonl
 UNSEEN_PROMPTS := runs/unseen_prompts.jsonl
