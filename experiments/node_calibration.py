@@ -3,7 +3,7 @@
 or prompt lookup by how it met the heads' candidates), greedy: every kept node whose parent was accepted is one
 trial of its conditional rate (the rate its worth was built from, the call's online correction included).
 
-    python scripts/node_calibration.py --prompts data/bench_prompts.jsonl --limit 12 --out results/x/nodes.md
+    python experiments/node_calibration.py --prompts data/bench_prompts.jsonl --limit 12 --out results/x/nodes.md
 
 Prints the table and writes it as Markdown to --out. A source whose rates sit above what it was accepted at makes
 trees larger than they are worth."""
@@ -14,56 +14,60 @@ from collections import defaultdict
 import torch
 from tqdm import tqdm
 
+import sys
+from pathlib import Path
+
 from medusa_heads import prompt_ids
-from medusa_heads.inference.adaptive import AdaptiveDrafter, Correction
-from common import emit, greedy_pass  # scripts/common.py: this script's folder is on the path
+from medusa_heads.inference.adaptive import DraftObserver
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from common import emit, greedy_pass  # noqa: E402  scripts/common.py
 
 EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0001)
-
-
 KINDS = {0: "lookup below no drafted child", -1: "lookup against the heads", -2: "lookup = a head's"}
 
 
-def source(slot: int) -> str:
-    """What drafted a node: a head at depth `slot`, or prompt lookup of a kind that `record` marks."""
-    return KINDS.get(slot, f"head {slot}")
+def source(kind: int) -> str:
+    """What drafted a node: a head at depth `kind`, or prompt lookup of a kind that Trials marks."""
+    return KINDS.get(kind, f"head {kind}")
 
 
-def record(trials: list[tuple[int, float, bool]]) -> None:
-    """Marks each lookup node by how it met the heads' candidates: a new node under a parent with drafted children
-    (-1: the heads drafted other tokens there), a new node under one without (0), or a drafted child the lookup
-    repeated and raised (-2). The drafter's online correction keeps its own slots (the lookup's new nodes pooled,
-    the raised children apart). Every (slot, predicted rate, observed) the correction is given after a verify
-    (AdaptiveDrafter.update: one per kept node whose parent was accepted) is appended to `trials`."""
-    merge, add = AdaptiveDrafter._merge_lookup, Correction.add
+class Trials(DraftObserver):
+    """Every (source, predicted rate, accepted) the drafter's online correction is given after a verify (one per kept
+    node whose parent was accepted). A lookup node is marked by how it met the heads' candidates: a new node under a
+    parent with drafted children (-1: the heads drafted other tokens there), under one without (0), or a drafted
+    child the lookup repeated and raised (-2)."""
 
-    def tagged(self, sequence, tok, par, val, slot, paths):
-        before, drafted_parents = len(tok), set(par[1:])
-        merge(self, sequence, tok, par, val, slot, paths)
-        for i in range(1, len(tok)):
-            if i >= before:
-                slot[i] = -1 if par[i] in drafted_parents else 0
-            elif slot[i] == self.repeat:
-                slot[i] = -2
+    def __init__(self, repeat_slot: int) -> None:
+        self.repeat_slot = repeat_slot
+        self.trials: list[tuple[int, float, bool]] = []
+        self._kinds: list[int] = []
 
-    def drafter_slot(correction: Correction, slot: int) -> int:
-        return len(correction.shift) - 1 if slot == -2 else max(slot, 0)  # -2: the raised children's slot
+    def drafted(self, sequence, candidates, kept):
+        heads = {candidates.par[i] for i in range(1, len(candidates.tok)) if candidates.slot[i] > 0}
+        self._kinds = [0]
+        for i in candidates.order[:kept]:
+            slot = candidates.slot[i]
+            if slot == self.repeat_slot:
+                slot = -2
+            elif slot == 0:
+                slot = -1 if candidates.par[i] in heads else 0
+            self._kinds.append(slot)
 
-    def recorded(self, slot, predicted, observed):
-        trials.append((slot, predicted, bool(observed)))
-        add(self, drafter_slot(self, slot), predicted, observed)
-
-    AdaptiveDrafter._merge_lookup = tagged
-    Correction.add = recorded
+    def verified(self, accepted, trials):
+        self.trials += [(self._kinds[node], rate, hit) for node, _, rate, hit in trials]
 
 
 def main() -> None:
     args, model, tok, rows = greedy_pass(__doc__)
-    trials: list[tuple[int, float, bool]] = []  # (slot: a head's depth, or a lookup kind; conditional rate; accepted)
-    record(trials)
+    trials: list[tuple[int, float, bool]] = []  # (a head's depth, or a lookup kind; conditional rate; accepted)
     for _, row in tqdm(rows, desc="nodes", unit="prompt"):
+        seen = Trials(model.config.num_heads + 1)  # AdaptiveDrafter's slot of the children the lookup raised
+        drafter = model.adaptive_drafter(model.config.lookup_tokens, greedy=True, observer=seen)  # as generate makes it
         ids = prompt_ids(tok, row.turns[0])
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False,
+                       drafter=drafter, prompt_lookup_num_tokens=0)
+        trials += seen.trials
 
     table = defaultdict(lambda: [0, 0.0, 0])  # (source, bin) -> [n, sum rate, accepted]
     for slot, rate, hit in trials:

@@ -3,7 +3,7 @@
 continuation (known once the answer is done) is matched against the kept tree and against every candidate the
 drafter scored (heads and lookup, before the selection).
 
-    python scripts/tree_headroom.py --prompts data/bench_prompts.jsonl --limit 12 --out results/x/headroom.md
+    python experiments/tree_headroom.py --prompts data/bench_prompts.jsonl --limit 12 --out results/x/headroom.md
 
 Per step: kept = the accepted length (drafted tokens the target took); candidates = the longest prefix of the
 target's continuation that is a path among the candidates; at the kept size = the same, at most the kept tree's
@@ -15,44 +15,35 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+import sys
+from pathlib import Path
+
 from medusa_heads import prompt_ids
-from medusa_heads.inference.adaptive import AdaptiveDrafter
-from common import emit, greedy_pass  # scripts/common.py: this script's folder is on the path
+from medusa_heads.inference.adaptive import DraftObserver
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from common import emit, greedy_pass  # noqa: E402  scripts/common.py
 
 
-def record(steps: list[dict]) -> None:
-    """Each step's root position, candidate paths (each a tuple of drafted tokens below the root) and kept paths
-    are appended to `steps` (one row of one call at a time: batches are not measured)."""
-    merge, draft_row = AdaptiveDrafter._merge_lookup, AdaptiveDrafter._draft_row
+class Headroom(DraftObserver):
+    """Each step's root position, candidate paths (each a tuple of drafted tokens below the root), kept paths and
+    each candidate's rank among its parent's candidates by worth (1: the most), one row of one call at a time."""
 
-    def merged(self, sequence, tok, par, val, slot, paths):
-        merge(self, sequence, tok, par, val, slot, paths)
-        self._candidates = {tuple(p[1:]) for p in paths[1:]}
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def drafted(self, sequence, candidates, kept):
+        paths = [tuple(p[1:]) for p in candidates.paths]
         siblings: dict[int, list[int]] = {}
-        for i in range(1, len(tok)):
-            siblings.setdefault(par[i], []).append(i)
-        self._rank = {}  # candidate path -> its rank among its parent's candidates, by worth (1: the most)
+        for i in range(1, len(candidates.tok)):
+            siblings.setdefault(candidates.par[i], []).append(i)
+        rank = {}
         for kids in siblings.values():
-            for r, i in enumerate(sorted(kids, key=lambda i: -val[i]), 1):
-                self._rank[tuple(paths[i][1:])] = r
-
-    def drafted(self, h, sequence):
-        self._candidates, self._rank = set(), {}
-        draft = draft_row(self, h, sequence)
-        parents, tokens = draft.buffers.parent.tolist(), [None] + draft.tokens.tolist()
-        kept = []
-        for node in range(1, len(parents)):
-            path, n = [], node
-            while n > 0:
-                path.append(tokens[n])
-                n = parents[n]
-            kept.append(tuple(reversed(path)))
-        steps.append({"root": sequence.shape[0] - 1, "candidates": self._candidates | set(kept), "kept": set(kept),
-                      "rank": self._rank})
-        return draft
-
-    AdaptiveDrafter._merge_lookup = merged
-    AdaptiveDrafter._draft_row = drafted
+            for r, i in enumerate(sorted(kids, key=lambda i: -candidates.val[i]), 1):
+                rank[paths[i]] = r
+        chosen = {paths[i] for i in candidates.order[:kept]}
+        self.steps.append({"root": sequence.shape[0] - 1, "candidates": set(paths[1:]) | chosen, "kept": chosen,
+                           "rank": rank})
 
 
 def matched(paths: set[tuple[int, ...]], continuation: list[int]) -> int:
@@ -67,14 +58,13 @@ def main() -> None:
     args, model, tok, rows = greedy_pass(__doc__)
     totals: dict[str, list[float]] = {}  # file -> [steps, kept, candidates, at the kept size, kept nodes]
     misses: dict[tuple[int, str], int] = {}  # (depth, how) -> steps whose kept tree leaves the path there, a candidate not
-    steps: list[dict] = []
-    record(steps)
     for name, row in tqdm(rows, desc="headroom", unit="prompt"):
-        steps.clear()
+        seen = Headroom()
+        drafter = model.adaptive_drafter(model.config.lookup_tokens, greedy=True, observer=seen)  # as generate makes it
         ids = prompt_ids(tok, row.turns[0])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                             do_sample=False)[0].tolist()
-        for s in steps:  # each step matched once, counted for its file and for all
+                             do_sample=False, drafter=drafter, prompt_lookup_num_tokens=0)[0].tolist()
+        for s in seen.steps:  # each step matched once, counted for its file and for all
             continuation = out[s["root"] + 1 :]
             have, could, size = matched(s["kept"], continuation), matched(s["candidates"], continuation), len(s["kept"])
             for t in (totals.setdefault(name, [0.0] * 5), totals.setdefault("all", [0.0] * 5)):

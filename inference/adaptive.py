@@ -24,12 +24,12 @@ a sample."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from medusa_heads.heads import MedusaHeads
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, best_size
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, best_size, expected_tokens
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
 from medusa_heads.tree.ngrams import NgramStore
 from medusa_heads.inference.propose import MAX_NGRAM, Draft, lookup_continuations
@@ -107,7 +107,7 @@ class AdaptiveDrafter:
                  lookup: LookupAcceptance | None = None, lookup_tokens: int = 0, max_ngram: int = MAX_NGRAM,
                  min_ngram: int = 1, topk: int = 4, beam: int = 4, lookup_branches: int = 1,
                  phrases: NgramStore | None = None, phrase_acceptance: PhraseAcceptance | None = None,
-                 rows: int = 1) -> None:
+                 rows: int = 1, observer: "DraftObserver | None" = None) -> None:
         if topk < 1 or beam < 1 or lookup_branches < 1:
             raise ValueError(f"topk, beam and lookup_branches must be >= 1, got {topk}, {beam} and {lookup_branches}")
         if lookup_tokens and lookup is None:
@@ -128,18 +128,26 @@ class AdaptiveDrafter:
         self.rows = rows  # the batch's rows: every one is verified, the finished ones with their root alone
         self._top_rate = acceptance.table().max(dim=1).values.tolist()  # per depth: the most a node can be accepted
         self._drafted: list[tuple[list[int], list[float], list[int]]] = []  # per row: parents, worth, slot
+        self.observer = observer  # sees every row's candidates and kept tree, and every trial of the correction
+        self._found: list[tuple[Candidates, int]] = []  # per row: its candidates and how many the tree keeps
 
     def draft(self, hidden: torch.Tensor, sequences: list[torch.Tensor], buffers: TreeBuffers) -> list[Draft]:
-        self._drafted = []
+        self._drafted, self._found = [], []
         if self.rows == 1 and len(sequences) == 1:
-            return [self._draft_row(hidden[0], sequences[0])]
-        return self._draft_batch(hidden, sequences)
+            drafts = [self._draft_row(hidden[0], sequences[0])]
+        else:
+            drafts = self._draft_batch(hidden, sequences)
+        if self.observer is not None:
+            for sequence, (found, n) in zip(sequences, self._found):
+                self.observer.drafted(sequence, found, n)
+        return drafts
 
     @torch.no_grad()
     def _draft_row(self, h: torch.Tensor, sequence: torch.Tensor) -> Draft:
         verify_ms = self.cost.verify_ms(sequence.shape[0] - 1).tolist()  # 1..max_size tree tokens
         found = self._row_candidates(h, sequence, verify_ms)
-        n = best_size(torch.tensor(found.values), torch.tensor(self._step_ms(verify_ms, found.levels)))
+        n = best_size(expected_tokens(torch.tensor(found.values), len(verify_ms)),
+                      torch.tensor(self._step_ms(verify_ms, found.levels)))
         return self._keep(found, n, h.device)
 
     @torch.no_grad()
@@ -149,20 +157,16 @@ class AdaptiveDrafter:
         per millisecond of the batch's step, each row's first n."""
         verify_ms = self.cost.verify_ms(max(s.shape[0] for s in sequences) - 1, max(self.rows, len(sequences))).tolist()
         found = self._candidates_rows(hidden, sequences, verify_ms)
-        sizes = len(verify_ms)
-        tau = torch.full((sizes,), float(len(sequences)), dtype=torch.float64)  # every running row's root
-        for f in found:
-            worth = torch.tensor(f.values[: sizes - 1], dtype=torch.float64).cumsum(0)
-            tau[1:] += torch.cat([worth, worth[-1:].expand(sizes - 1 - worth.shape[0])]) if worth.shape[0] else 0.0
+        tau = sum(expected_tokens(torch.tensor(f.values), len(verify_ms)) for f in found)  # the running rows' tokens
         # every row's levels charged as if drafted apart: an upper bound, since a level runs once for all its rows
         # (memory-bound, it costs little more for 8 rows than for 1), which leans a batch toward smaller trees
-        step_ms = self._step_ms(verify_ms, sum(f.levels for f in found))
-        n = int((tau / torch.tensor(step_ms, dtype=torch.float64)).argmax())
+        n = best_size(tau, torch.tensor(self._step_ms(verify_ms, sum(f.levels for f in found))))
         return [self._keep(f, n, sequences[0].device) for f in found]
 
     def _keep(self, found: "Candidates", n: int, device: torch.device) -> Draft:
         """The tree of `found`'s first n candidates (parents before children), recorded for update()."""
         tok, par, val, slot = found.tok, found.par, found.val, found.slot
+        self._found.append((found, n))
         keep = found.order[:n]  # parents before children: worth never grows down a path, ties go to the shallower
         index = {c: i + 1 for i, c in enumerate(keep)}
         parents = (-1, *(index[par[c]] if par[c] else 0 for c in keep))
@@ -198,7 +202,7 @@ class AdaptiveDrafter:
             for _, r in drafting:
                 part = slice(start, start + len(r.frontier))
                 start = part.stop
-                rates = self.correction.rates(d, self._rates(d, logits[part], probs[part], r.frontier, r.val, r.par))
+                rates = self.correction.rates(d, self.acceptance(d, probs[part]))
                 worth = (torch.tensor([r.val[i] for i in r.frontier])[:, None] * rates.cpu()).tolist()
                 r.levels += 1
                 level = []
@@ -213,15 +217,8 @@ class AdaptiveDrafter:
             if self.lookup_tokens or self.phrases is not None:
                 self._merge_lookup(sequence, r.tok, r.par, r.val, r.slot, r.paths)
             order = sorted(range(1, len(r.tok)), key=lambda i: (-r.val[i], len(r.paths[i])))[: len(verify_ms) - 1]
-            out.append(Candidates(r.tok, r.par, r.val, r.slot, order, [r.val[i] for i in order], r.levels))
+            out.append(Candidates(r.tok, r.par, r.val, r.slot, order, [r.val[i] for i in order], r.levels, r.paths))
         return out
-
-    def _rates(self, d: int, logits: torch.Tensor, probs: torch.Tensor, frontier: list[int], val: list[float],
-               par: list[int]) -> torch.Tensor:
-        """(F, k) calibrated acceptance of the level's candidates given their parents: logits (F, V') of head d
-        over the frontier's nodes, probs (F, k) its top-k probabilities; the candidates so far (worth, parent) for
-        a subclass that rates by more than the probability (scripts/tree_replay.py)."""
-        return self.acceptance(d, probs)
 
     def _step_ms(self, verify_ms: list[float], levels: int) -> list[float]:
         """The step's milliseconds with 1..max_size tree tokens after `levels` drafting levels."""
@@ -310,20 +307,37 @@ class AdaptiveDrafter:
     def update(self, accepted: list[torch.Tensor]) -> None:
         """Each accepted node's children predicted sum(rate) acceptances; one was observed if the path went on."""
         for (parents, worth, slot), nodes in zip(self._drafted, accepted):
-            nodes = nodes.tolist()
+            nodes, trials = nodes.tolist(), []
             for depth, node in enumerate(nodes):
                 nxt = nodes[depth + 1] if depth + 1 < len(nodes) else -1
                 for child in (c for c in range(1, len(parents)) if parents[c] == node):
                     rate = worth[child] / max(worth[node], 1e-12)
                     self.correction.add(slot[child], rate, float(child == nxt))
+                    trials.append((child, slot[child], rate, child == nxt))
+            if self.observer is not None:
+                self.observer.verified(nodes, trials)
         self.correction.fit()
+
+
+class DraftObserver:
+    """What a per-step drafter shows of each step, for measurements outside the library (experiments/): subclass
+    it and pass it as AdaptiveDrafter(..., observer=...). It sees; it changes nothing."""
+
+    def drafted(self, sequence: torch.Tensor, candidates: "Candidates", kept: int) -> None:
+        """A row's step: its tokens so far (the root last), every candidate it scored, and how many of them (the first
+        `kept` of candidates.order) its tree keeps: kept node i (1-based) is candidates.order[i - 1]."""
+
+    def verified(self, accepted: list[int], trials: list[tuple[int, int, float, bool]]) -> None:
+        """After the verify, for the same row: its accepted nodes (root first), and each trial that corrects the
+        rates: (kept node, its slot, the rate it was drafted at, whether the target accepted it) for every kept
+        node whose parent was accepted."""
 
 
 @dataclass
 class Candidates:
     """One row's candidates for a step (node 0 is the root): token, parent, worth and slot of each, the best
-    S - 1 of them in order (`order`, parents before children) with their worth (`values`), and the drafting
-    levels run."""
+    S - 1 of them in order (`order`, parents before children) with their worth (`values`), the drafting
+    levels run, and each candidate's path."""
 
     tok: list[int]
     par: list[int]
@@ -332,6 +346,7 @@ class Candidates:
     order: list[int]
     values: list[float]
     levels: int
+    paths: list[list[int]] = field(default_factory=list)  # each candidate's tokens from the root (the root's first)
 
 
 class _Row:

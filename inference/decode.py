@@ -1,19 +1,22 @@
-"""The decode loop: propose -> verify -> accept -> commit."""
+"""The decode loop, one for a row and a batch: propose -> verify -> accept -> commit."""
 from __future__ import annotations
 
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from medusa_heads.tree.buffers import TreeBuffers
 from medusa_heads.inference.accept import accept_choices
 from medusa_heads.inference.cache import keep_accepted, new_cache
-from medusa_heads.inference.propose import Drafter
+from medusa_heads.inference.propose import Draft
 from medusa_heads.inference.sampling import process_tree
 from medusa_heads.inference.verify import Target, TargetOutput
+
+if TYPE_CHECKING:
+    from medusa_heads.inference.plan import DecodePlan
 
 class AcceptRule(Protocol):
     greedy: bool  # its choice at a node is the target's argmax: the target may hand over argmaxes, not logits
@@ -95,71 +98,104 @@ def accept_tree(rule: AcceptRule, tree: torch.Tensor, buffers: TreeBuffers, out:
     return rule.accept(tree, logits, buffers)
 
 
+class _Rows(Protocol):
+    """What the decode loop needs of its rows: one sequence or a left-padded batch (inference/batch.py)."""
+
+    states: list[DecodeState]
+
+    def verify(self, running: list[int], drafts: list[Draft], greedy: bool) -> list[tuple[torch.Tensor, TargetOutput]]:
+        """One target forward over the running rows' trees: each one's tree tokens (root first) and its output."""
+        ...
+
+    def commit(self, running: list[int], keeps: list[torch.Tensor]) -> None:
+        """The cache keeps each running row's accepted nodes (root first) and nothing else of its tree."""
+        ...
+
+
+def run(rows: _Rows, plan: "DecodePlan", max_new_tokens: int, eos: set[int], stats: DecodeStats, stopping=None,
+        on_emit=None) -> None:
+    """The decode loop, for one row and a batch alike: propose -> verify -> accept -> commit until every row is
+    done. `on_emit(tokens)`: called with each step's new tokens of a single row (a streamer)."""
+    clock, states = time.perf_counter, rows.states
+    drafter, buffers, rule, processors = plan.drafter, plan.buffers, plan.rule, plan.processors
+    while not all(s.done for s in states):
+        # 1. propose: the drafter chooses each running row's tree below its root and drafts it
+        t0 = clock()
+        running = [b for b, s in enumerate(states) if not s.done]
+        drafts = drafter.draft(torch.stack([states[b].hidden for b in running]),
+                               [states[b].sequence[: states[b].length] for b in running], buffers)
+        # 2. verify: one target forward over root + nodes of every running row
+        t1 = clock()
+        verified = rows.verify(running, drafts, plan.greedy)
+        # 3. accept: each row's longest path the target agrees with, plus the target's own next token
+        t2 = clock()
+        accepted, keeps, emitted = [], [], 0
+        for b, (tree, out), (_, step) in zip(running, verified, drafts):
+            s = states[b]
+            nodes, bonus = accept_tree(rule, tree, step, out, processors, s.sequence[: s.length - 1])
+            chunk = emit(s, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos, stopping)
+            accepted.append(nodes)
+            keeps.append(nodes[: len(chunk) + 1])  # up to EOS or the budget; the bonus is the next root
+            s.hidden = out.hidden[keeps[-1][-1]]
+            emitted += len(chunk)
+            stats.tree_sizes.append(step.size - 1)
+            if on_emit is not None:
+                on_emit(chunk)
+        drafter.update(accepted)
+        # 4. commit: the cache keeps root + emitted nodes
+        t3 = clock()
+        rows.commit(running, keeps)
+        stats.tokens_per_step.append(emitted)
+        stats.rows_per_step.append(len(running))
+        t4 = clock()
+        for key, dt in zip(("propose", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            stats.seconds[key] += dt
+
+
+class _OneRow:
+    """One sequence: its tree verified at its own position, the cache kept in place (keep_accepted)."""
+
+    def __init__(self, target: Target, cache, state: DecodeState) -> None:
+        self.target, self.cache, self.states = target, cache, [state]
+
+    def verify(self, running, drafts, greedy):
+        state, (drafted, step) = self.states[0], drafts[0]
+        tree = torch.cat([state.sequence[state.length - 1 : state.length], drafted])
+        return [(tree, self.target.verify(tree, state.past, self.cache, step, greedy=greedy))]
+
+    def commit(self, running, keeps):
+        state = self.states[0]
+        keep_accepted(self.cache, state.past, keeps[0])
+        state.past += keeps[0].shape[0]
+
+
 @torch.no_grad()
-def decode(
-    target: Target,
-    drafter: Drafter,
-    buffers: TreeBuffers,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    rule: AcceptRule,
-    eos: set[int],
-    streamer=None,
-    cache=None,
-    processors=None,
-    stopping=None,
-) -> tuple[torch.Tensor, DecodeStats]:
+def decode(target: Target, plan: "DecodePlan", input_ids: torch.Tensor, max_new_tokens: int, eos: set[int],
+           streamer=None, cache=None, stopping=None) -> tuple[torch.Tensor, DecodeStats]:
     """input_ids: (1, L). Returns ((1, L + new) tokens, stats). `cache`: an empty cache to fill (default: new).
-    `processors`: context-dependent logits processors, run at each node with its own path as context.
     `stopping`: a transformers StoppingCriteriaList."""
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
-    capacity = prompt_len + max_new_tokens + buffers.size  # a larger tree at some step grows the cache
+    capacity = prompt_len + max_new_tokens + plan.buffers.size  # a larger tree at some step grows the cache
     cache = new_cache(target.model, capacity) if cache is None else cache
     sequence = torch.empty(prompt_len + max_new_tokens, dtype=torch.long, device=input_ids.device)
     sequence[:prompt_len] = input_ids[0]
+    on_emit = None if streamer is None else (lambda chunk: streamer.put(torch.tensor(chunk)))
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
     t0 = clock()
     out = target.prefill(input_ids, cache)
-    logits = processors(input_ids, out.logits[-1:].float()) if processors else out.logits[-1:]
-    root = rule.first(logits)
+    logits = plan.processors(input_ids, out.logits[-1:].float()) if plan.processors else out.logits[-1:]
     state = DecodeState(sequence, prompt_len, prompt_len, out.hidden[-1])
-    chunk = emit(state, [root], max_new_tokens, eos, stopping)
+    chunk = emit(state, [plan.rule.first(logits)], max_new_tokens, eos, stopping)
     stats.tokens_per_step.append(len(chunk))
+    stats.rows_per_step.append(1)
     stats.seconds["prefill"] += clock() - t0
-    if streamer is not None:
-        streamer.put(torch.tensor(chunk))
+    if on_emit is not None:
+        on_emit(chunk)
 
-    greedy = rule.greedy and not processors  # only the target's argmax at each node is needed
-    while not state.done:
-        # 1. propose: the drafter chooses this step's tree below the root and drafts it
-        t0 = clock()
-        drafted, step = drafter.draft(state.hidden[None], [state.sequence[: state.length]], buffers)[0]
-        tree = torch.cat([state.sequence[state.length - 1 : state.length], drafted])
-        # 2. verify: one target forward over root + nodes
-        t1 = clock()
-        out = target.verify(tree, state.past, cache, step, greedy=greedy)
-        # 3. accept: longest path the target agrees with, plus the target's own next token
-        t2 = clock()
-        nodes, bonus = accept_tree(rule, tree, step, out, processors, state.sequence[: state.length - 1])
-        drafter.update([nodes])
-        # 4. commit: emit up to EOS or the budget; the cache keeps root + emitted nodes; the bonus is the next root
-        t3 = clock()
-        chunk = emit(state, tree[nodes[1:]].tolist() + [bonus], max_new_tokens, eos, stopping)
-        nodes = nodes[: len(chunk) + 1]
-        keep_accepted(cache, state.past, nodes)
-        state.past += nodes.shape[0]
-        state.hidden = out.hidden[nodes[-1]]
-        stats.tokens_per_step.append(len(chunk))
-        stats.tree_sizes.append(step.size - 1)
-        t4 = clock()
-        for key, dt in zip(("propose", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            stats.seconds[key] += dt
-        if streamer is not None:
-            streamer.put(torch.tensor(chunk))
-
+    run(_OneRow(target, cache, state), plan, max_new_tokens, eos, stats, stopping, on_emit)
     if streamer is not None:
         streamer.end()
     return state.sequence[None, : state.length].clone(), stats

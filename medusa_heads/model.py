@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -17,25 +18,22 @@ from medusa_heads.checkpoint import (
 )
 from medusa_heads.config import MedusaConfig
 from medusa_heads.heads import MedusaHeads
-from medusa_heads.inference.accept import TargetChoice, TypicalAcceptance
-from medusa_heads.inference.adaptive import AdaptiveDrafter
+from medusa_heads.inference.adaptive import AdaptiveDrafter, DraftObserver
 from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
-from medusa_heads.inference.propose import MAX_NGRAM, MIN_NGRAM, Drafter, HeadsDrafter, LookupDrafter
-from medusa_heads.inference.sampling import build_processors, build_warpers
+from medusa_heads.inference.plan import ADAPTIVE, PLAIN, check_tree, make_plan, tree_buffers
+from medusa_heads.inference.propose import MAX_NGRAM, Drafter
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
 from medusa_heads.inference.support import check_tree_attention
 from medusa_heads.inference.verify import Target
 from medusa_heads.default_model import DEFAULT_MODEL, default_heads_path
 from medusa_heads import prompting
 from medusa_heads.loading import load_base
-from medusa_heads.tree import TreeSpec, build_buffers, load_tree
+from medusa_heads.tree import TreeSpec, TreeBuffers, load_tree
 from medusa_heads.tree.adaptive import (
     Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, cost_key, find_cost, kernels_key,
 )
 from medusa_heads.tree.ngrams import NgramStore
-
-ADAPTIVE = "adaptive"  # tree= for a tree chosen at every step
 
 # GenerationConfig fields generate() honours; any other field set away from its default raises.
 _SUPPORTED = {
@@ -64,15 +62,26 @@ class MedusaModel(nn.Module):
         self.target = Target(base_model)
         check_tree_attention(self.target)
         self._adaptive_parts = None  # (kernels key, config.adaptive, its parsed parts) last asked about
-        adaptive = tree == ADAPTIVE or (tree is None and self.cost_model() is not None)
-        self.set_tree(self._default_tree() if tree is None or tree == ADAPTIVE else tree)  # the fixed tree
-        if adaptive:
-            self.set_tree(ADAPTIVE)
+        self.tree = self._configured_tree()  # the heads' fixed tree: what a call drafts when no per-step tree can be
+        # what a call drafts when it names no tree: "adaptive" where the heads were calibrated for these kernels
+        self.default_tree = ADAPTIVE if tree is None and self.cost_model() is not None else self.tree
+        if tree is not None:
+            self.set_tree(tree)
 
-    def _default_tree(self) -> TreeSpec:
+    def _configured_tree(self) -> TreeSpec:
         """The heads' own fixed tree, cut to the heads there are (a preset may be deeper than new heads)."""
         spec = load_tree(self.config.tree)
         return TreeSpec.from_paths([p for p in spec.paths if len(p) <= self.config.num_heads])
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether calls that name no tree choose one at each step."""
+        return isinstance(self.default_tree, str) and self.default_tree == ADAPTIVE
+
+    @property
+    def tree_buffers(self) -> TreeBuffers:
+        """The fixed tree's buffers on the model's device."""
+        return tree_buffers(self.tree, self.base_model.device)
 
     def _adaptive_config(self) -> tuple | None:
         """(acceptance, lookup table, cost model) stored for the kernels this model's verify runs on now (on this
@@ -143,6 +152,11 @@ class MedusaModel(nn.Module):
         config = None
         if heads == "auto":  # the shipped heads when they were trained for this very base, else new heads
             heads, config = _shipped_heads_for(base, fingerprint)
+            if heads is None:
+                warnings.warn(f"no shipped heads were trained for {base.name_or_path or type(base).__name__}: drafting "
+                              "with new, untrained heads (output is exact, but no faster). Train heads for it "
+                              "(medusa-heads distill, then train) and pass heads=DIR, or heads=None for new heads "
+                              "without this warning.", UserWarning, stacklevel=2)
         elif heads is not None and not is_reference_dir(heads):
             config = load_config(heads)
             check_fingerprint(config, base, allow_base_mismatch, fingerprint)
@@ -190,9 +204,12 @@ class MedusaModel(nn.Module):
             save_ngrams(out, self.phrases)
         return out
 
-    def _adaptive_drafter(self, lookup: int, ngram: int, rows: int = 1, greedy: bool = False) -> AdaptiveDrafter:
-        """A drafter for one call (it learns from the call's own acceptance) of `rows` rows. greedy: the call's
-        verifies hand over argmaxes through the screen, so its steps are sized by the greedy cost (CostModel.greedy)."""
+    def adaptive_drafter(self, lookup: int, ngram: int = MAX_NGRAM, rows: int = 1, greedy: bool = False,
+                         observer: DraftObserver | None = None) -> AdaptiveDrafter:
+        """The per-step drafter for one call (it learns from the call's own acceptance) of `rows` rows, with `lookup`
+        prompt-lookup tokens. greedy: the call's verifies hand over argmaxes through the screen, so its steps are
+        sized by the greedy cost (CostModel.greedy). observer: sees its steps (inference.adaptive.DraftObserver);
+        pass the drafter to generate(..., drafter=..., prompt_lookup_num_tokens=0) to measure a call."""
         acceptance, table, cost = self._adaptive_config()
         cost = cost.for_greedy() if greedy else cost
         phrases = self.phrasebook()
@@ -200,7 +217,7 @@ class MedusaModel(nn.Module):
         return AdaptiveDrafter(self.heads, acceptance, cost, table, lookup,
                                max_ngram=ngram, min_ngram=min(ngram, table.ngrams[0]) if table is not None else 1,
                                lookup_branches=self.config.lookup_branches, phrases=phrases, phrase_acceptance=rates,
-                               rows=rows)
+                               rows=rows, observer=observer)
 
     def phrasebook(self) -> NgramStore | None:
         """The phrasebook that drafts in the per-step tree (a row alone or a batch): the store, where its acceptance was
@@ -208,22 +225,17 @@ class MedusaModel(nn.Module):
         return self.phrases if "ngrams" in (self.config.adaptive or {}) else None
 
     def set_tree(self, tree: str | Sequence[Sequence[int]] | TreeSpec) -> None:
-        """A preset name, rank paths or a TreeSpec: that fixed tree at every step. "adaptive": a tree chosen at each
-        step (inference/adaptive.py), which needs heads calibrated for this model's kernels; the fixed tree stays
-        what batches and a user's own drafter are given. Not for while other threads generate with this model."""
-        if isinstance(tree, str) and tree == ADAPTIVE:
-            if self.cost_model() is None:
-                raise ValueError(f'tree="adaptive" needs the heads calibrated for these kernels '
-                                 f'({kernels_key(self.base_model, is_prepacked(self.base_model))}): run medusa-heads calibrate')
-            self.adaptive = True
-            return
-        self.adaptive = False
-        spec = load_tree(tree)
-        spec.check_heads(self.config.num_heads)
-        if spec.topk > self.config.draft_vocab_size:
-            raise ValueError(f"the tree reads rank {spec.topk - 1} but the heads score only {self.config.draft_vocab_size} tokens")
-        self.tree = spec
-        self.tree_buffers = build_buffers(spec).to(self.base_model.device)
+        """The tree of calls that name none (generate's tree= chooses per call): a preset name, rank paths or a
+        TreeSpec for that fixed tree at every step (it also becomes model.tree, what save_pretrained stores);
+        "adaptive" for a tree chosen at each step, which needs heads calibrated for this model's kernels; "plain" for
+        no drafting. Not for while other threads generate with this model: pass tree= to generate instead."""
+        tree = check_tree(tree, self.config.num_heads, self.config.draft_vocab_size)
+        if isinstance(tree, str) and tree == ADAPTIVE and self.cost_model() is None:
+            raise ValueError(f'tree="adaptive" needs the heads calibrated for these kernels '
+                             f'({kernels_key(self.base_model, is_prepacked(self.base_model))}): run medusa-heads calibrate')
+        if isinstance(tree, TreeSpec):
+            self.tree = tree
+        self.default_tree = tree
 
     # ---- generation ---------------------------------------------------------------------------------------------
     def generation_config_for(self, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
@@ -261,6 +273,7 @@ class MedusaModel(nn.Module):
         stopping_criteria: StoppingCriteriaList | None = None,
         drafter: Drafter | None = None,
         generator: torch.Generator | None = None,
+        tree: str | Sequence[Sequence[int]] | TreeSpec | None = None,
         **kwargs,
     ) -> torch.Tensor | MedusaGenerateOutput:
         """Like transformers' generate (decoder-only; a batch is left-padded, with its attention_mask). Greedy output equals the base model's greedy
@@ -270,9 +283,12 @@ class MedusaModel(nn.Module):
         latest earlier occurrence of its last MAX_NGRAM (3, max_matching_ngram_size) down to MIN_NGRAM (2) tokens, merged into the heads' tree;
         output is unchanged, only tau. Unset, it is the heads' config.lookup_tokens (in batches, only where they
         draft per-step trees).
-        With tree "adaptive" (the default for calibrated heads) each step chooses its own tree, lookup included; a
-        batch chooses one size for all its rows, where the heads were calibrated for batches of these kernels
-        (`medusa-heads calibrate --parts batch`), and drafts the fixed tree otherwise."""
+        tree: this call's tree (inference/plan.py): a preset name ("cpu-16", "chain-4"), rank paths or a TreeSpec for
+        that fixed tree at every step; "adaptive" for a tree chosen at each step, lookup included; "plain" for no
+        drafting. Default: model.default_tree ("adaptive" for heads calibrated for these kernels, else their fixed
+        tree). With a per-step tree a batch chooses one size for all its rows, where the heads were calibrated for
+        batches of these kernels (`medusa-heads calibrate --parts batch`); the default drafts the fixed tree
+        otherwise. Nothing about a call is stored on the model: calls with different trees may run side by side."""
         gc = self.generation_config_for(generation_config, **kwargs)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
@@ -288,53 +304,44 @@ class MedusaModel(nn.Module):
         batched = input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.all()))
         if batched and streamer is not None:
             raise ValueError("streamers take one sequence: batched generation (or a padded prompt) cannot stream")
-        max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - input_ids.shape[1]
-        if max_new < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
         context = getattr(self.base_model.config, "max_position_embeddings", None)
+        if gc.max_new_tokens is not None:
+            max_new = gc.max_new_tokens
+        elif kwargs.get("max_length") is None and getattr(generation_config, "max_length", None) is None \
+                and self.base_model.generation_config.max_length is None:  # no length set anywhere: as transformers,
+            max_new = gc.max_length  # its default max_length (20) counts new tokens, within the model's context
+            if context is not None:
+                max_new = min(max_new, context - input_ids.shape[1])
+            warnings.warn(f"Using the model-agnostic default `max_length` (={input_ids.shape[1] + max_new}) to control "
+                          "the generation length. We recommend setting `max_new_tokens` to control the maximum length "
+                          "of the generation.", UserWarning, stacklevel=2)
+        else:
+            max_new = gc.max_length - input_ids.shape[1]
+        if max_new < 1 and gc.max_new_tokens is not None:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        if max_new < 1:
+            raise ValueError(f"the prompt has {input_ids.shape[1]} tokens and max_length is {gc.max_length}: nothing is "
+                             f"left to generate; set max_new_tokens instead")
         if context is not None and input_ids.shape[1] > context:
             raise ValueError(f"the prompt has {input_ids.shape[1]} tokens, more than the model's context of {context} "
                              f"(max_position_embeddings); shorten it")
         eos = set(eos_ids)
 
-        if acceptance == "exact":
-            rule = TargetChoice(build_warpers(gc) if gc.do_sample else None, generator)
-        elif acceptance == "typical":
-            if not gc.do_sample:
-                raise ValueError('acceptance="typical" needs do_sample=True (greedy decoding is already exact)')
-            rule = TypicalAcceptance(build_warpers(gc), posterior_threshold, posterior_alpha, generator)
-        else:
-            raise ValueError(f'acceptance must be "exact" or "typical", got {acceptance!r}')
-
+        plan = make_plan(self, gc, rows=input_ids.shape[0], prompt_len=input_ids.shape[1], tree=tree,
+                         acceptance=acceptance, posterior_threshold=posterior_threshold,
+                         posterior_alpha=posterior_alpha, logits_processor=logits_processor, drafter=drafter,
+                         generator=generator)
         device = self.base_model.device
-        buffers = self.tree_buffers if self.tree_buffers.mask.device == device else self.tree_buffers.to(device)
-        processors = build_processors(gc, input_ids.shape[1], logits_processor)
-        lookup = gc.prompt_lookup_num_tokens
-        cost = self.cost_model() if self.adaptive else None
-        adaptive = cost is not None and (not batched or cost.batched)
-        if lookup is None and (not batched or adaptive):
-            lookup = self.config.lookup_tokens
-        ngram = gc.max_matching_ngram_size or MAX_NGRAM
-        if drafter is None and adaptive:  # this step's tree from the heads' confidence
-            screened = rule.greedy and not processors and self.target.screen.get() is not None  # as decode verifies
-            drafter = self._adaptive_drafter(lookup or 0, ngram, rows=input_ids.shape[0], greedy=screened)
-        elif lookup:  # the heads' tree plus a continuation copied from the text so far, grown row by row
-            drafter = LookupDrafter(drafter or HeadsDrafter(self.heads), lookup, max_ngram=ngram, min_ngram=min(MIN_NGRAM, ngram))
-        drafter = drafter or HeadsDrafter(self.heads)
         if batched:
             pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids or [None])[0]  # transformers' fallback
             if pad is None:
                 raise ValueError("batched generation needs pad_token_id (or eos_token_id) to pad finished rows")
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-            sequences, stats = decode_batch(
-                self.target, drafter, buffers, input_ids.to(device), mask.to(device), max_new, rule, eos, pad,
-                processors=processors, stopping=stopping_criteria,
-            )
+            sequences, stats = decode_batch(self.target, plan, input_ids.to(device), mask.to(device), max_new, eos, pad,
+                                            stopping=stopping_criteria)
         else:
-            sequences, stats = decode(
-                self.target, drafter, buffers, input_ids.to(device), max_new, rule, eos,
-                streamer, processors=processors, stopping=stopping_criteria,
-            )
+            sequences, stats = decode(self.target, plan, input_ids.to(device), max_new, eos, streamer,
+                                      stopping=stopping_criteria)
         if gc.return_dict_in_generate:
             return MedusaGenerateOutput(sequences, stats)
         return sequences

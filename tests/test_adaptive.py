@@ -13,7 +13,7 @@ from medusa_heads.inference.adaptive import PRIOR, AdaptiveDrafter, Candidates, 
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked
 from medusa_heads.inference.propose import Draft, RowDrafter
 from medusa_heads.tree.adaptive import (
-    Acceptance, CostModel, LookupAcceptance, best_size, cost_key, find_cost, hardware, isotonic, kernels_key,
+    Acceptance, CostModel, LookupAcceptance, best_size, expected_tokens, cost_key, find_cost, hardware, isotonic, kernels_key,
 )
 from medusa_heads.tree.buffers import build_buffers, from_parents
 from medusa_heads.tree.spec import TreeSpec
@@ -40,10 +40,10 @@ def calibrated(base, cost: CostModel, rates=(0.2, 0.5, 0.8, 0.95), num_heads: in
 
 def test_the_most_valuable_nodes_per_millisecond_win_and_none_is_a_plain_step():
     step = torch.tensor([10.0, 10.0, 10.0, 10.0, 40.0])  # ms with 1..5 tree tokens
-    assert best_size(torch.tensor([0.9, 0.8, 0.1, 0.05]), step) == 3  # 2.8 / 10 beats 2.7 / 10 and 2.85 / 40
-    assert best_size(torch.tensor([0.9, 0.8, 0.1, 0.05]), torch.tensor([10.0, 10.0, 10.0, 20.0, 40.0])) == 2
-    assert best_size(torch.tensor([0.01, 0.01]), torch.tensor([10.0, 11.0, 12.0])) == 0  # 1/10 > 1.01/11
-    assert best_size(torch.tensor([]), step) == 0
+    assert best_size(expected_tokens(torch.tensor([0.9, 0.8, 0.1, 0.05]), 5), step) == 3  # 2.8 / 10 beats 2.7 / 10 and 2.85 / 40
+    assert best_size(expected_tokens(torch.tensor([0.9, 0.8, 0.1, 0.05]), 5), torch.tensor([10.0, 10.0, 10.0, 20.0, 40.0])) == 2
+    assert best_size(expected_tokens(torch.tensor([0.01, 0.01]), 3), torch.tensor([10.0, 11.0, 12.0])) == 0  # 1/10 > 1.01/11
+    assert best_size(expected_tokens(torch.tensor([]), 5), step) == 0
     assert isotonic([0.1, 0.3, 0.2, 0.5], [1, 1, 1, 2]) == pytest.approx([0.1, 0.25, 0.25, 0.5])
 
 
@@ -87,7 +87,7 @@ def test_the_measured_fit_charges_each_size_its_own_time_and_a_tree_grows_to_a_c
     assert CostModel.from_dict(cost.to_dict()) == cost
     values = torch.tensor([0.9, 0.8, 0.05, 0.02, 0.01, 0.01, 0.01])
     # 2 drafted nodes would be 2.7 tokens in 127 ms; a third, worth only 0.05, makes it 2.75 in 89 ms
-    assert best_size(values, cost.verify_ms(256)) == 3
+    assert best_size(expected_tokens(values, cost.max_size), cost.verify_ms(256)) == 3
     steps = CostModel(contexts=(256,), sizes=tuple(range(1, 9)), ms=(ms,)).verify_ms(256)
     assert steps[2] == pytest.approx(steps[3])  # smoothed, a 3-token tree is charged what a 4-token one costs
 
@@ -142,7 +142,7 @@ def test_a_lookup_token_is_worth_at_most_what_its_drafted_siblings_leave():
     child may raise it to at most 0.3. Below a node the heads did not expand, the lookup's own rates hold."""
     base = tiny_model("llama", seed=0)
     model = calibrated(base, FLAT)
-    drafter = model._adaptive_drafter(lookup=4, ngram=3)
+    drafter = model.adaptive_drafter(lookup=4, ngram=3)
     sequence = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # "5 6 7" matched: the continuation is 8, 9, 5, 6
     for first, expected in ((11, 0.1), (8, 0.3)):
         tok, par, val, slot = [7, 12, first], [-1, 0, 0], [1.0, 0.7, 0.2], [0, 1, 1]
@@ -159,7 +159,7 @@ def test_a_lookup_token_that_repeats_a_drafted_child_raises_it_as_independent_ev
     """Heads 0.3 and lookup 0.8 for the same token: 1 - 0.7 x 0.2 = 0.86, not the larger 0.8; the child's drafted
     subtree keeps its rates given the child (its worth rises with it), and the next lookup token is capped by it."""
     base = tiny_model("llama", seed=0)
-    drafter = calibrated(base, FLAT)._adaptive_drafter(lookup=4, ngram=3)
+    drafter = calibrated(base, FLAT).adaptive_drafter(lookup=4, ngram=3)
     sequence = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # "5 6 7" matched: the continuation is 8, 9, 5, 6 at 0.8, 0.9, ...
     tok, par, val, slot = [7, 8, 12, 20], [-1, 0, 0, 1], [1.0, 0.3, 0.1, 0.15], [0, 1, 1, 2]
     paths = [[7], [7, 8], [7, 12], [7, 8, 20]]
@@ -189,7 +189,7 @@ def test_a_second_lookup_branch_is_a_sibling_worth_what_the_first_leaves():
     sequence = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 3, 4, 5, 6, 7])
     for branches in (1, 2, 3):
         model.config.lookup_branches = branches
-        drafter = model._adaptive_drafter(lookup=2, ngram=3)
+        drafter = model.adaptive_drafter(lookup=2, ngram=3)
         tok, par, val, slot, paths = [7, 12], [-1, 0], [1.0, 0.5], [0, 1], [[7], [7, 12]]
         drafter._merge_lookup(sequence, tok, par, val, slot, paths)
         nodes = {tuple(p[1:]): i for i, p in enumerate(paths)}
@@ -219,15 +219,15 @@ def test_raised_children_and_the_lookups_own_tokens_learn_their_corrections_apar
         nodes = {tuple(p[1:]): i for i, p in enumerate(paths)}
         return val[nodes[(8,)]], val[nodes[(8, 9)]] / val[nodes[(8,)]], slot[nodes[(8,)]], slot[nodes[(8, 9)]]
 
-    fresh = model._adaptive_drafter(lookup=4, ngram=3)
+    fresh = model.adaptive_drafter(lookup=4, ngram=3)
     assert merged(fresh) == pytest.approx((0.86, lookup[1], fresh.repeat, 0))
-    sure = model._adaptive_drafter(lookup=4, ngram=3)
+    sure = model.adaptive_drafter(lookup=4, ngram=3)
     for _ in range(8):
         sure.correction.add(sure.repeat, 0.5, 1.0)
     sure.correction.fit()
     raised = sure.correction(sure.repeat, 0.86)
     assert 0.86 < raised and merged(sure)[:2] == pytest.approx((min(raised, 0.95), lookup[1]))  # 0.95: the sibling
-    doubt = model._adaptive_drafter(lookup=4, ngram=3)
+    doubt = model.adaptive_drafter(lookup=4, ngram=3)
     for _ in range(8):
         doubt.correction.add(0, 0.8, 0.0)
     doubt.correction.fit()

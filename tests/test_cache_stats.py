@@ -8,6 +8,7 @@ from medusa_heads import MedusaModel
 from medusa_heads.inference.accept import TargetChoice
 from medusa_heads.inference.cache import new_cache
 from medusa_heads.inference.decode import decode
+from medusa_heads.inference.plan import DecodePlan
 from medusa_heads.inference.propose import HeadsDrafter
 
 from conftest import randomize_heads, tiny_model
@@ -24,7 +25,8 @@ def test_cache_equals_a_plain_prefill_of_the_accepted_tokens(arch, budget, oracl
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
     drafter = OracleDrafter(base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False), 96) if oracle else HeadsDrafter(model.heads)
     cache = new_cache(base, capacity)
-    seq, stats = decode(model.target, drafter, model.tree_buffers, ids, budget, TargetChoice(), set(), cache=cache)
+    plan = DecodePlan(drafter, model.tree_buffers, TargetChoice(), None, greedy=False, tree="fixed")
+    seq, stats = decode(model.target, plan, ids, budget, set(), cache=cache)
     past = cache.get_seq_length()
     # every token but the next root is cached (at EOS or the budget the last emitted token may be cached too)
     assert past in (seq.shape[1] - 1, seq.shape[1])

@@ -86,19 +86,18 @@ def tiny_medusa():
 
 @given(
     st.integers(1, 20), st.booleans(), st.floats(0.2, 2.0), st.integers(0, 30), st.floats(0.2, 1.0),
-    st.sampled_from([None, 0.05]), st.floats(1.0, 2.0), st.integers(0, 3), st.sampled_from(["chain-4", "cpu-8", "cpu-16"]),
+    st.sampled_from([None, 0.05]), st.floats(1.0, 2.0), st.integers(0, 3), st.sampled_from(["chain-4", "cpu-8", "cpu-16", "plain"]),
     st.integers(0, 10_000),
 )
 @settings(max_examples=60, deadline=None)
 def test_random_generate_arguments_never_crash_nor_overrun(tiny_medusa, max_new, do_sample, temperature, top_k, top_p,
                                                           min_p, rep, ngram, tree, seed):
-    tiny_medusa.set_tree(tree)
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(seed))
     kwargs = dict(max_new_tokens=max_new, repetition_penalty=rep, no_repeat_ngram_size=ngram, eos_token_id=seed % 96)
     if do_sample:
         kwargs.update(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       generator=torch.Generator().manual_seed(seed))
-    res = tiny_medusa.generate(ids, return_dict_in_generate=True, **kwargs)
+    res = tiny_medusa.generate(ids, tree=tree, return_dict_in_generate=True, **kwargs)
     new = res.sequences[0, 5:]
     assert torch.equal(res.sequences[0, :5], ids[0]) and 1 <= new.shape[0] <= max_new
     assert res.stats.new_tokens == new.shape[0]

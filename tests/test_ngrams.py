@@ -223,16 +223,16 @@ def test_children_the_phrasebook_raises_learn_their_correction_apart_from_the_lo
         nodes = {tuple(p[1:]): i for i, p in enumerate(paths)}
         return val[nodes[(8,)]], val[nodes[(8, 9)]], slot[nodes[(8,)]], slot[nodes[(8, 9)]]
 
-    fresh = model._adaptive_drafter(lookup=0, ngram=3)
+    fresh = model.adaptive_drafter(lookup=0, ngram=3)
     raised = fresh.raised[fresh.phrase_slot]
     assert raised not in (fresh.repeat, fresh.phrase_slot) and raised > fresh.depth
     assert merged(fresh) == pytest.approx((1 - 0.7 * 0.1, (1 - 0.7 * 0.1) * 0.9, raised, fresh.phrase_slot))
-    other = model._adaptive_drafter(lookup=0, ngram=3)
+    other = model.adaptive_drafter(lookup=0, ngram=3)
     for _ in range(8):  # the lookup's raised children all failed: the phrasebook's are not pulled down with them
         other.correction.add(other.repeat, 0.9, 0.0)
     other.correction.fit()
     assert other.correction.shift[other.repeat] < 0 and merged(other) == pytest.approx(merged(fresh))
-    doubt = model._adaptive_drafter(lookup=0, ngram=3)
+    doubt = model.adaptive_drafter(lookup=0, ngram=3)
     for _ in range(8):
         doubt.correction.add(raised, 0.9, 0.0)
     doubt.correction.fit()

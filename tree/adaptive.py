@@ -323,18 +323,24 @@ def find_cost(costs: dict, model: torch.nn.Module, prepacked: bool) -> str | Non
     return next((k for k in sorted(costs) if k.startswith(kernels + "-")), None)
 
 
-def tokens_per_ms(values: torch.Tensor, step_ms: torch.Tensor) -> torch.Tensor:
-    """values: (M,) worth of candidate nodes, best first, each at most its parent's (so any first n is
-    prefix-closed); step_ms: (>= M + 1,) the step's milliseconds with 1..M+1 tree tokens. Returns (m + 1,), for
-    n in 0..m = min(M, len(step_ms) - 1): the expected tokens per millisecond of the tree of the first n."""
-    m = min(values.shape[0], step_ms.shape[0] - 1)
-    tau = 1.0 + torch.cat([values.new_zeros(1), values[:m].cumsum(0)])  # (m + 1,)
-    return tau / step_ms[: m + 1].to(tau.dtype)
+def expected_tokens(values: torch.Tensor, sizes: int) -> torch.Tensor:
+    """values: (M,) worth of one row's candidate nodes, best first, each at most its parent's (so any first n is
+    prefix-closed). Returns (sizes,): the expected tokens of a step whose tree keeps the first n, for n in
+    0..sizes - 1 (the root's token, plus each kept node's worth; past M, no more nodes to keep)."""
+    worth = values[: sizes - 1].to(torch.float64).cumsum(0)
+    tau = torch.ones(sizes, dtype=torch.float64)
+    tau[1 : worth.shape[0] + 1] += worth
+    if worth.shape[0]:
+        tau[worth.shape[0] + 1 :] += worth[-1]
+    return tau
 
 
-def best_size(values: torch.Tensor, step_ms: torch.Tensor) -> int:
-    """The n in 0..M whose tree (see tokens_per_ms) gives the most expected tokens per millisecond (0: a plain step)."""
-    return int(tokens_per_ms(values, step_ms).argmax())
+def best_size(tau: torch.Tensor, step_ms: torch.Tensor) -> int:
+    """The one rule that sizes a tree, for a row or a batch, chosen at each step or calibrated once: tau[n] the
+    expected tokens and step_ms[n] the milliseconds of a step whose tree holds n drafted nodes (0: a plain step).
+    Returns the n with the most expected tokens per millisecond (the smallest, on a tie)."""
+    n = min(tau.shape[0], step_ms.shape[0])
+    return int((tau[:n].to(torch.float64) / step_ms[:n].to(torch.float64)).argmax())
 
 
 def isotonic(y: list[float], w: list[float]) -> list[float]:

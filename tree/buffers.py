@@ -44,6 +44,9 @@ class TreeBuffers:
         return TreeBuffers(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
+_STRUCTURE = ("mask", "depth", "parent", "paths", "path_len", "children")  # what a parent list decides
+
+
 def _structure(parent: list[int]) -> dict:
     """Everything about a tree that follows from its parent list (parent[0] = -1 for the root, every node after
     its parent): mask, depth, parent, paths, path_len, children."""
@@ -76,7 +79,7 @@ def _structure(parent: list[int]) -> dict:
 
 
 def build_buffers(spec: TreeSpec) -> TreeBuffers:
-    """Build the buffers for a validated spec."""
+    """The buffers of a validated spec: from_parents' tree, plus what the heads draft it by (draft_index, levels)."""
     nodes = [()] + list(spec.paths)
     index = {path: i for i, path in enumerate(nodes)}
     t, topk = len(nodes), spec.topk
@@ -95,11 +98,10 @@ def build_buffers(spec: TreeSpec) -> TreeBuffers:
             torch.tensor([nodes[i][-1] for i in nodes_d], dtype=torch.long),
         ))
 
-    return TreeBuffers(
-        **_structure(parent),
+    return dataclasses.replace(
+        from_parents(tuple(parent)),
         draft_index=torch.tensor([(len(p) - 1) * topk + p[-1] for p in spec.paths], dtype=torch.long),
         topk=topk,
-        num_heads=spec.depth,
         levels=tuple(levels),
     )
 
@@ -110,10 +112,14 @@ def with_chain(buffers: TreeBuffers, below: int, length: int) -> TreeBuffers:
     takes these nodes; positions follow the depth as for any node."""
     if not 0 <= below < buffers.size or length < 1:
         raise ValueError(f"a chain of {length} nodes below node {below} does not fit a tree of {buffers.size} nodes")
-    parent = buffers.parent.tolist()
-    t = len(parent)
-    parent += [below] + list(range(t, t + length - 1))
-    return dataclasses.replace(buffers, **_structure(parent))
+    t = buffers.size
+    grown = from_parents((*buffers.parent.tolist(), below, *range(t, t + length - 1)), buffers.mask.device)
+    return dataclasses.replace(buffers, **{f: getattr(grown, f) for f in _STRUCTURE})
+
+
+def chain(n: int, device: torch.device | str = "cpu") -> TreeBuffers:
+    """A chain of n tree tokens: the root and n - 1 nodes, each below the one before."""
+    return from_parents(tuple(range(-1, n - 1)), device)
 
 
 _by_shape: dict[tuple[tuple[int, ...], str], TreeBuffers] = {}
@@ -121,9 +127,10 @@ _by_shape_lock = threading.Lock()
 
 
 def from_parents(parent: tuple[int, ...], device: torch.device | str = "cpu") -> TreeBuffers:
-    """Buffers of the tree with this parent list (parent[0] = -1 is the root; each node after its parent), for
-    trees chosen at each step. Immutable, so kept by shape and shared between calls and threads (at most 4,096
-    shapes; past that, built anew). No heads' drafting buffers: the drafter that chose the tree drafted it."""
+    """The buffers of the tree with this parent list (parent[0] = -1 is the root; each node after its parent): the
+    one builder of tree buffers (build_buffers, with_chain, chain and inference.batch.pad_trees call it). Immutable,
+    so kept by shape and shared between calls and threads (at most 4,096 shapes; past that, built anew). No heads'
+    drafting buffers (build_buffers adds them for a spec's tree): a per-step drafter drafts the tree it chose."""
     key = (parent, str(device))
     buffers = _by_shape.get(key)
     if buffers is None:

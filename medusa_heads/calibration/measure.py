@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from medusa_heads.inference.cache import crop_to, new_cache
 from medusa_heads.inference.propose import MAX_NGRAM
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, isotonic
-from medusa_heads.tree.buffers import build_buffers, from_parents
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, best_size, isotonic
+from medusa_heads.tree.buffers import build_buffers, chain
 from medusa_heads.tree.ngrams import NgramStore
 from medusa_heads.tree.calibrate import best_tree, tree_value
 from medusa_heads.tree.spec import TreeSpec
@@ -94,8 +94,7 @@ def _verify_seconds(target, keys: list[tuple[int, str]], context: int, repeats: 
     cache = new_cache(model, context + max(sizes))
     prefix = text[:context] if text is not None else torch.randint(0, vocab, (context,), generator=g)
     target.prefill(prefix[None].to(device), cache)
-    chains = {n: build_buffers(TreeSpec.from_paths([[0] * d for d in range(1, n)])).to(device) for n in sizes if n > 1}
-    chains[1] = from_parents((-1,), device)
+    chains = {n: chain(n, device) for n in sizes}
 
     def forward(key: tuple[int, str]):
         n, mode = key
@@ -131,9 +130,9 @@ def batch_verify_latency(target, rows: int, sizes: list[int], context: int = 256
 
     def forward(n: int):
         tokens = torch.randint(0, vocab, (rows, n), generator=g).to(device)
-        mask = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(rows, n, n)
-        depth = torch.arange(n, device=device).expand(rows, n)
-        return lambda: target.verify_batch(tokens, positions, valid, cache, mask, depth)
+        tree = chain(n, device)
+        return lambda: target.verify_batch(tokens, positions, valid, cache, tree.mask.expand(rows, n, n),
+                                           tree.depth.expand(rows, n))
 
     return _median_seconds(forward, lambda: crop_to(cache, context), sizes, repeats, device, f"latency, {rows} rows")
 
@@ -217,7 +216,8 @@ def choose_tree(path_prob, latency: dict[int, float], t_heads, t_overhead: float
         draft = t_heads(spec) if callable(t_heads) else t_heads
         step = latency[n + 1] + draft + t_overhead
         table.append({"nodes": n, "tau": tau, "step_s": step, "draft_s": draft, "tokens_per_s": tau / step, "paths": spec.to_list()})
-    best = max(table, key=lambda r: r["tokens_per_s"])
+    tau = torch.tensor([r["tau"] for r in table])
+    best = table[best_size(tau, torch.tensor([1000.0 * r["step_s"] for r in table]))]  # a fixed tree drafts >= 1 node
     plain = 1.0 / latency[1]
     for row in table:
         row["speedup"] = row["tokens_per_s"] / plain
