@@ -39,7 +39,7 @@ $(VLLM_VENV)/.installed:
 # Export the serving heads, run our chain decoder on them, then vLLM offline with and without them (16 bench prompts,
 # greedy: identical ids, drafts inside the token_map, acceptance beside ours) and `vllm serve` (one chat request).
 test-vllm: setup vllm-setup
-	$(VENV)/bin/medusa-heads export --format vllm $(SERVING_HEADS) $(VLLM_RUN)/heads
+	$(VENV)/bin/medusa-heads export --force --format vllm $(SERVING_HEADS) $(VLLM_RUN)/heads
 	timeout 900 $(PY) scripts/vllm_check.py ours --heads $(SERVING_HEADS) --out $(VLLM_RUN)/ours.json
 	timeout 1800 $(VPY) scripts/vllm_check.py check --export $(VLLM_RUN)/heads --ours $(VLLM_RUN)/ours.json
 
