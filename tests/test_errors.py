@@ -194,6 +194,11 @@ def test_the_default_data_is_read_from_its_gz_and_said_so(tmp_path, no_model, ca
     assert code == 1 and "no held-out conversations (eval fraction 0.05) among the 3 given" in last
     code, err = run(["train", "--data", "data/other.jsonl"], capsys)  # no .gz beside it: the plain message
     one_line(code, err, "--data data/other.jsonl: no such file", "train")
+    code, err = run(["calibrate", "--heads", str(mine), "--parts", "acceptance", "--features", "data/none"], capsys)
+    assert code == 1 and err.splitlines()[-1] == (
+        "medusa-heads calibrate: --features data/none: no such folder; the tree and acceptance parts read the held-out "
+        "conversations' features: compute them with `medusa-heads features --data data/distilled.jsonl.gz --features "
+        "data/none`")
 
 
 def test_export_refuses_a_folder_with_files_before_loading(heads, tmp_path, no_model, capsys):

@@ -378,6 +378,8 @@ def cmd_features(args: argparse.Namespace) -> None:
     from medusa_heads.training.features import features_from_conversations
 
     data = _data_file(args.data, "--data")
+    if Path(args.features).exists() and not Path(args.features).is_dir():
+        raise SystemExit(f"--features {args.features}: is a file; give the folder of feature shards")
     _check_model(args.model)
     conversations = read_conversations(data)
     torch.set_num_threads(args.threads)
@@ -440,6 +442,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     data = args.data
     if needs_data or ("ngrams" in parts and not args.ngram_data):
         data = _data_file(args.data, "--data")
+    if {"tree", "acceptance"} & set(parts) and not Path(args.features).is_dir():
+        raise SystemExit(f"--features {args.features}: no such folder; the tree and acceptance parts read the held-out "
+                         f"conversations' features: compute them with `medusa-heads features --data {data} --features "
+                         f"{args.features}`")
     _check_model(args.model)
     _check_device(args.device)
     torch.set_num_threads(args.threads)
