@@ -383,7 +383,7 @@ def test_demo_says_what_it_does_first_and_puts_the_baseline_first(files, capsys)
     main(["demo", "--model", str(files["model"]), "--no-prepack", "--max-new-tokens", "4", "--threads", "1"])
     captured = capsys.readouterr()
     out = captured.out.splitlines()
-    assert out[1].startswith("demo: 3 prompts x 2 methods (transformers, medusa-heads) x up to 4 new tokens, greedy, "
+    assert out[1].startswith("demo: 3 prompts x 2 methods (transformers; medusa-heads) x up to 4 new tokens, greedy, "
                              "1 threads: about ") and out[1].endswith(" here (fewer --max-new-tokens is quicker)")
     table = out[out.index(next(line for line in out if line.startswith("method"))):]
     assert table[1].startswith("transformers (baseline)") and table[1].split()[-2:] == ["1.00", "1.00"]

@@ -289,7 +289,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     methods = ["transformers"] + (["transformers, stock kernels"] if packed else []) + ["medusa-heads"]
     # plain generate at its own pace (the stock kernels ~1.5x slower), medusa at about half of it
     estimate = len(DEMO_PROMPTS) * args.max_new_tokens * per_token * (1 + (1.5 if packed else 0) + 0.5)
-    print(f"demo: {len(DEMO_PROMPTS)} prompts x {len(methods)} methods ({', '.join(methods)}) x up to "
+    print(f"demo: {len(DEMO_PROMPTS)} prompts x {len(methods)} methods ({'; '.join(methods)}) x up to "
           f"{args.max_new_tokens} new tokens, greedy, {args.threads} threads: about {_duration(estimate)} here "
           "(fewer --max-new-tokens is quicker)", flush=True)
     seconds = dict.fromkeys(["hf", "medusa"] + (["hf_stock"] if packed else []), 0.0)
