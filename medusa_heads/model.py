@@ -131,9 +131,9 @@ class MedusaModel(nn.Module):
         """base: the default model's name, a local HF directory, a hub id, or a loaded model.
         heads: a heads directory; None for new (untrained) heads (num_heads, num_layers, mlp_size, own_lm_head,
         condition, draft_vocab shape them: see MedusaConfig); "auto" for the shipped heads when their
-        base fingerprint matches this base (the default model), new heads otherwise. tree: preset name or rank paths
-        for a fixed tree, or "adaptive" for a tree chosen at each step (default: adaptive where the heads were
-        calibrated for this model's kernels, else the heads' own fixed tree).
+        base fingerprint matches this base (the default model), new heads otherwise. tree: the default of calls
+        that name none (see set_tree; default: "adaptive" where the heads were calibrated for this model's kernels,
+        else the heads' own fixed tree); generate(..., tree=) chooses per call.
         prepack: run the base's nn.Linear layers through oneDNN with prepacked weights (CPU, fp32 or bf16; see
         inference/prepack.py): faster plain decoding and a nearly flat verify cost up to ~16 tree tokens. It swaps
         the modules of `base` in place, so `base.generate` runs on the same kernels. Loaded heads are packed too

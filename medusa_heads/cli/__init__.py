@@ -85,7 +85,7 @@ def _float(low: float, high: float | None = None, low_open: bool = False):
 
 
 positive, non_negative = _int(1), _int(0)
-TREES = [*list_presets(), "adaptive"]
+TREES = [*list_presets(), "adaptive", "plain"]
 
 
 def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -93,7 +93,7 @@ def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the embedded default's name, a local HF directory or a hub id")
     _heads_args(parser, "heads directory (default: the shipped heads, if they fit the model; else untrained heads)")
     parser.add_argument("--tree", default=None, choices=TREES, metavar="TREE",
-                        help=f"tree preset ({', '.join(TREES)}; default: the heads' own tree, adaptive where calibrated)")
+                        help=f"tree ({', '.join(TREES)}; plain: no drafting; default: adaptive where the heads were calibrated, else their own tree)")
     parser.add_argument("--max-new-tokens", type=positive, default=max_new_tokens, help="most tokens to generate per reply")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="the model's dtype (bf16: faster on CPUs with AVX512-BF16 or AMX, and on GPUs)")

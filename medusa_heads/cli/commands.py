@@ -273,7 +273,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     model, tok = _load_medusa(args)
     base = model.base_model
     packed = is_prepacked(base)
-    tree = "chosen at each step" if model.adaptive else f"fixed, {model.tree.num_nodes} nodes"
+    tree = ("chosen at each step" if model.adaptive else "none (plain decoding)" if model.default_tree == "plain"
+            else f"fixed, {model.tree.num_nodes} nodes")
     print(f"heads: {'trained' if model.config.extra else 'untrained (zero-initialised)'}; tree: {tree}; "
           f"linears: {'oneDNN prepacked (both methods)' if packed else 'stock kernels'}")
 
