@@ -67,7 +67,7 @@ def main() -> None:
     from medusa_heads import MedusaModel, prompt_ids
     from medusa_heads.default_model import default_heads_path
     from medusa_heads.loading import load_tokenizer
-    from medusa_heads.training.data import read_prompts
+    from medusa_heads.corpus import read_prompts
 
     new = MedusaModel.from_pretrained()  # the default model, prepacked, with the shipped heads
     base, tok = new.base_model, load_tokenizer("smollm2-135m-instruct")

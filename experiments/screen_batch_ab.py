@@ -3,7 +3,7 @@ transformers' batched generate, alternating. Run from the repository's root: pyt
 import sys, time, torch
 from medusa_heads import MedusaModel
 from medusa_heads.loading import load_tokenizer
-from medusa_heads.training.data import read_prompts
+from medusa_heads.corpus import read_prompts
 from medusa_heads.prompting import prompt_text
 
 if __name__ == "__main__":

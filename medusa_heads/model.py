@@ -21,7 +21,7 @@ from medusa_heads.heads import MedusaHeads
 from medusa_heads.inference.adaptive import AdaptiveDrafter, DraftObserver
 from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
-from medusa_heads.inference.plan import ADAPTIVE, PLAIN, check_tree, make_plan, tree_buffers
+from medusa_heads.inference.plan import ADAPTIVE, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
 from medusa_heads.inference.support import check_tree_attention

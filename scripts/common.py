@@ -9,7 +9,7 @@ import torch
 
 from medusa_heads import MedusaModel
 from medusa_heads.loading import load_tokenizer
-from medusa_heads.training.data import read_prompts
+from medusa_heads.corpus import read_prompts
 
 
 def greedy_pass(doc: str):

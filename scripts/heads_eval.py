@@ -16,8 +16,8 @@ import torch
 
 from medusa_heads.checkpoint import load_config, load_heads
 from medusa_heads.loading import load_base
-from medusa_heads.training.data import is_eval, read_conversations
-from medusa_heads.training.features import load_segments
+from medusa_heads.corpus import is_eval, read_conversations
+from medusa_heads.shards import load_segments
 from medusa_heads.training.loop import build_split, draft_index, evaluate
 
 

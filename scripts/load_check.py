@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path
 from medusa_heads.prompting import prompt_ids
-from medusa_heads.training.data import read_prompts
+from medusa_heads.corpus import read_prompts
 
 
 def peak_rss_mb() -> float:

@@ -10,8 +10,8 @@ import argparse
 import json
 import random
 
-from medusa_heads.training.data import read_prompts, subsample
-from medusa_heads.training.data import is_eval
+from medusa_heads.corpus import read_prompts, subsample
+from medusa_heads.corpus import is_eval
 
 CATEGORY = {
     "gsm8k-train": "math", "mbpp-train": "code", "tico19-translation": "translation",

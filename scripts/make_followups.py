@@ -19,7 +19,7 @@ import gzip
 import json
 import zlib
 
-from medusa_heads.training.data import read_prompts, subsample
+from medusa_heads.corpus import read_prompts, subsample
 
 FOLLOW_UPS = (
     "Can you explain that in more detail?",

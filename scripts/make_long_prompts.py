@@ -10,7 +10,7 @@ import argparse
 import json
 import random
 
-from medusa_heads.training.data import read_prompts
+from medusa_heads.corpus import read_prompts
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from medusa_heads.default_model import DEFAULT_MODEL
 from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.prompting import eos_ids, has_chat_template
-from medusa_heads.training.data import read_prompts
+from medusa_heads.corpus import read_prompts
 
 MARKER = "\x00USER\x00"  # stands for the user's text while the template is cut at its opening
 SOURCE = "self-magpie"

@@ -71,7 +71,7 @@ def distilled_tiny_base(root, tokenizer, seed: int, prompts: list[str], max_new_
     `prompts` (root/p.jsonl). Returns the (unsaved twin) model."""
     import json
 
-    from medusa_heads.training.data import read_prompts
+    from medusa_heads.corpus import read_prompts
     from medusa_heads.training.distill import distill
 
     tiny_model("llama", seed=seed, vocab_size=len(tokenizer)).save_pretrained(root / "base")

@@ -6,7 +6,7 @@ import json
 
 from medusa_heads import MedusaModel
 from medusa_heads.cli.bench import run_bench, write_results
-from medusa_heads.training.data import PromptRow
+from medusa_heads.corpus import PromptRow
 from medusa_heads.tree.calibrate import rank_paths
 from medusa_heads.tree import load_tree
 from medusa_heads.calibration.measure import choose_tree, draft_latency, verify_latency

@@ -9,7 +9,7 @@ import torch
 from medusa_heads import MedusaModel
 from medusa_heads.config import MedusaConfig
 from medusa_heads.inference.propose import lookup_match
-from medusa_heads.training.features import Segment
+from medusa_heads.shards import Segment
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, hardware, isotonic
 from medusa_heads.calibration.measure import (
     ACCEPT_EDGES, TEMPERATURES, CandidateSamples, answer_spans, calibrate_acceptance, candidate_samples, correct_ranks,

@@ -181,7 +181,7 @@ def test_a_greedy_variant_answers_follow_up_turns_after_the_targets_own_first_an
 
 
 def test_distill_reuses_answers_given_before_and_generates_only_the_new_turns(files, capsys, tmp_path):
-    from medusa_heads.training.features import load_segments
+    from medusa_heads.shards import load_segments
 
     model = str(files["model"])
     common = ["--model", model, "--max-new-tokens", "4", "--no-prepack"]

@@ -59,7 +59,7 @@ def conversations(ids: list[str]) -> list[dict]:
 
 def ids_on_one_side(n: int, held_out: bool) -> list[str]:
     """n prompt ids that all fall on one side of the evaluation split at EVAL_FRACTION."""
-    from medusa_heads.training.data import is_eval
+    from medusa_heads.corpus import is_eval
 
     return [f"c{i}" for i in range(10_000) if is_eval(f"c{i}", EVAL_FRACTION) == held_out][:n]
 
@@ -167,7 +167,7 @@ def test_train_with_too_few_conversations_for_a_split_is_one_line(tmp_path, no_m
     suggest = (min(zlib.crc32(i.encode()) % 10_000 for i in ids) + 1) / 10_000
     one_line(code, err, f"{data}: none of the 3 prompts falls in the evaluation split (eval_fraction 0.05, chosen by a "
                         f"hash of each id); pass --set eval_fraction={suggest:g} (it holds out 1 of them)", "train")
-    from medusa_heads.training.data import check_eval_split
+    from medusa_heads.corpus import check_eval_split
 
     check_eval_split(ids, suggest, "ok")  # the fix it names splits them
     data.write_text("".join(json.dumps(c) + "\n" for c in conversations(["only"])))
@@ -328,7 +328,7 @@ def test_chat_survives_a_line_that_is_not_utf8(files, capsys, monkeypatch):  # n
 
 def test_written_files_are_readable_by_others_under_umask_022(tmp_path, monkeypatch):
     import medusa_heads.checkpoint as checkpoint
-    from medusa_heads.training.features import Segment, write_shard
+    from medusa_heads.shards import Segment, write_shard
     from medusa_heads.training.loop import save_checkpoint
     from medusa_heads.training.recipe import TrainRecipe
 
@@ -395,7 +395,7 @@ def test_demo_says_what_it_does_first_and_puts_the_baseline_first(files, capsys)
 
 def test_bench_names_prompts_by_their_place_not_their_id(tmp_path):
     from medusa_heads.cli.bench import prompt_name, write_results
-    from medusa_heads.training.data import PromptRow
+    from medusa_heads.corpus import PromptRow
 
     rows = [PromptRow("train_prompts:12104", ["Can you give me examples of strange laws in the US?"], category="chat"),
             PromptRow("train_prompts:7", ["a", "b"], category="multi")]

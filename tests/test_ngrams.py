@@ -181,7 +181,7 @@ def test_calibrate_builds_the_phrasebook_measures_it_on_held_out_prompts_and_sto
     import json
 
     from medusa_heads.cli import main
-    from medusa_heads.training.data import is_eval
+    from medusa_heads.corpus import is_eval
 
     tok, base = tiny_model_with_tokenizer(tmp_path / "model")
     convs = rotated_conversations(40)

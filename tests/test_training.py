@@ -9,11 +9,12 @@ from safetensors.torch import load_file
 
 from medusa_heads import MedusaModel
 from medusa_heads.training import trainer as trainer_mod
-from medusa_heads.training.data import append_conversations, read_conversations, read_prompts
+from medusa_heads.corpus import append_conversations, read_conversations, read_prompts
 from medusa_heads.inference.prepack import prepack_linears, prepack_supported
 from medusa_heads.inference.tap import LMHeadTap
 from medusa_heads.prompting import mask_runs
-from medusa_heads.training.features import Segment, answer_segments, next_shard_path, write_shard
+from medusa_heads.shards import Segment, next_shard_path, write_shard
+from medusa_heads.training.features import answer_segments
 from medusa_heads.training.recipe import TrainRecipe
 from medusa_heads.training.trainer import train
 
@@ -216,8 +217,8 @@ def test_prompt_file_errors_name_the_line(tmp_path):
 
 def test_a_second_answer_per_prompt_gets_its_own_id_and_the_prompts_side_of_the_split(tmp_path):
     from medusa_heads.cli import main
-    from medusa_heads.training.data import as_variant
-    from medusa_heads.training.data import is_eval
+    from medusa_heads.corpus import as_variant
+    from medusa_heads.corpus import is_eval
 
     p = tmp_path / "p.jsonl"
     p.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(400)))
@@ -268,7 +269,7 @@ def test_gzipped_conversations_read_as_plain_and_a_cut_archive_names_itself(tmp_
 
 def test_distill_resumes_after_a_crash_without_loss_or_duplicates(tmp_path, monkeypatch, real_base):
     from medusa_heads.training import distill as distill_mod
-    from medusa_heads.training.features import load_segments
+    from medusa_heads.shards import load_segments
 
     _, tok = real_base
     base = tiny_model("llama", seed=1, vocab_size=len(tok))
@@ -302,7 +303,7 @@ def test_distill_resumes_after_a_crash_without_loss_or_duplicates(tmp_path, monk
 
 def test_distilled_answers_and_features_are_the_targets_own_batched_greedy_answers(tmp_path, real_base):
     from medusa_heads.training import distill as distill_mod
-    from medusa_heads.training.features import load_segments
+    from medusa_heads.shards import load_segments
 
     _, tok = real_base
     base = tiny_model("llama", seed=3, vocab_size=len(tok))
@@ -341,7 +342,8 @@ def test_training_on_two_processes_through_accelerate(tiny_data, tmp_path):
 
 def test_features_from_conversations_match_those_tapped_during_distillation(tmp_path, real_base):
     from medusa_heads.training import distill as distill_mod
-    from medusa_heads.training.features import features_from_conversations, load_segments
+    from medusa_heads.shards import load_segments
+    from medusa_heads.training.features import features_from_conversations
 
     base, tok = real_base
     prompts = tmp_path / "p.jsonl"
@@ -418,7 +420,7 @@ from conftest import tiny_model
 from transformers import AutoTokenizer
 from medusa_heads import default_model_path
 from medusa_heads.training import distill as D
-from medusa_heads.training.data import read_prompts
+from medusa_heads.corpus import read_prompts
 out, marker = pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
 tok = AutoTokenizer.from_pretrained(default_model_path())
 real, calls = D.append_conversations, []
@@ -473,7 +475,7 @@ def test_kill_9_of_distill_mid_line_then_rerun_loses_and_repeats_nothing(tmp_pat
     from pathlib import Path
 
     from medusa_heads.training import distill as distill_mod
-    from medusa_heads.training.features import load_segments
+    from medusa_heads.shards import load_segments
 
     _, tok = real_base
     prompts = tmp_path / "p.jsonl"

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from medusa_heads.training import features as features_mod
-from medusa_heads.training.data import read_conversations
-from medusa_heads.training.features import feature_ids, features_from_conversations, load_segments
+from medusa_heads.corpus import read_conversations
+from medusa_heads.shards import feature_ids, load_segments
+from medusa_heads.training.features import features_from_conversations
 from medusa_heads.training.recipe import TrainRecipe
 from medusa_heads.training.trainer import train
 

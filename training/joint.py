@@ -22,8 +22,9 @@ from medusa_heads.heads import MedusaHeads
 from medusa_heads.inference.tap import LMHeadTap
 from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.prompting import conversation_ids, mask_runs
-from medusa_heads.training.data import is_eval
-from medusa_heads.training.features import Segment, answer_segments
+from medusa_heads.corpus import is_eval
+from medusa_heads.shards import Segment
+from medusa_heads.training.features import answer_segments
 from medusa_heads.training.loss import IGNORE, medusa_loss
 from medusa_heads.training.recipe import TrainRecipe
 from medusa_heads.training.loop import (OOV, Job, build_split, draft_index, evaluate, load_checkpoint, run, start_heads,

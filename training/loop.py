@@ -22,8 +22,8 @@ from tqdm import tqdm
 from medusa_heads.checkpoint import (WEIGHTS_NAME, base_fingerprint, check_fingerprint, follow_umask, load_config,
                                      load_heads, save_heads)
 from medusa_heads.heads import MedusaHeads
-from medusa_heads.training.data import check_eval_split, read_conversations
-from medusa_heads.training.features import Segment, segment_context
+from medusa_heads.corpus import check_eval_split, read_conversations
+from medusa_heads.shards import Segment, segment_context
 from medusa_heads.training.loss import IGNORE, medusa_loss, topk_hits
 from medusa_heads.training.recipe import TrainRecipe
 

@@ -9,8 +9,9 @@ import torch
 
 from medusa_heads.checkpoint import save_heads
 from medusa_heads.loading import load_base, load_tokenizer
-from medusa_heads.training.data import is_eval
-from medusa_heads.training.features import Segment, feature_ids, features_from_conversations, load_segments, reused_segments
+from medusa_heads.corpus import is_eval
+from medusa_heads.shards import Segment, feature_ids, load_segments
+from medusa_heads.training.features import features_from_conversations, reused_segments
 from medusa_heads.training.joint import train_joint
 from medusa_heads.training.loop import (OOV, Job, Split, build_split, draft_index, evaluate, load_checkpoint, run,
                                         save_checkpoint, start_heads)

@@ -53,7 +53,7 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     from medusa_heads.calibration import measure, report
     from medusa_heads.checkpoint import save_config, save_ngrams
     from medusa_heads.inference.prepack import is_prepacked
-    from medusa_heads.training.features import load_segments
+    from medusa_heads.shards import load_segments
     from medusa_heads.tree.adaptive import cost_key
     from medusa_heads.tree.calibrate import rank_paths
     from medusa_heads.tree.ngrams import NgramStore
@@ -240,7 +240,7 @@ def _one_row_cost(cost, model, config, what: str, part: str):
 def held_out_conversations(conversations: list[dict], heads_dir: str | os.PathLike) -> list[dict]:
     """The conversations the heads in heads_dir did not train on (their recipe's eval fraction)."""
     from medusa_heads.checkpoint import load_config
-    from medusa_heads.training.data import is_eval
+    from medusa_heads.corpus import is_eval
 
     fraction = load_config(heads_dir).extra.get("recipe", {}).get("eval_fraction", 0.05)
     held = [c for c in conversations if is_eval(c["id"], fraction)]

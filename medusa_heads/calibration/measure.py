@@ -24,7 +24,7 @@ def correct_ranks(heads, segments, topk: int = 10, chunk: int = 2048) -> list[tu
     Conditioned heads see the true tokens[i .. i + k - 1]: on the path that is right, these are the very tokens
     they are given when drafting, so the ranks are exact for every path that matters.
     Positions whose continuation is shorter than the heads are left out."""
-    from medusa_heads.training.features import segment_context
+    from medusa_heads.shards import segment_context
 
     k_heads = heads.config.num_heads
     out: list[tuple[int, ...]] = []
@@ -255,7 +255,7 @@ class CandidateSamples:
 
 def second_half(conv_id: str) -> bool:
     """Splits held-out conversations in two by prompt (every answer to a prompt falls on the same side)."""
-    from medusa_heads.training.data import prompt_id
+    from medusa_heads.corpus import prompt_id
 
     return zlib.crc32(f"{prompt_id(conv_id)}#half".encode()) % 2 == 1
 
@@ -266,7 +266,7 @@ def candidate_samples(heads, segments, topk: int = 8, chunk: int = 1024) -> list
     above (what they are given on the path that is right), labelled by the true token at depth d. A position counts
     at depth d only where the true tokens at depths 1..d-1 are each in their head's top-k: there the parent is in
     the tree and accepted, so the labels are acceptance given an accepted parent."""
-    from medusa_heads.training.features import segment_context
+    from medusa_heads.shards import segment_context
 
     k_heads = heads.config.num_heads
     param = next(heads.parameters())

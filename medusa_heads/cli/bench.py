@@ -14,7 +14,7 @@ from medusa_heads.config import DEFAULT_TREE
 from medusa_heads.inference.prepack import is_prepacked, stock_kernels
 from medusa_heads.prompting import eos_ids, prompt_ids, prompt_text, user_turn
 from medusa_heads.tree.adaptive import hardware
-from medusa_heads.training.data import PromptRow
+from medusa_heads.corpus import PromptRow
 
 
 class ForwardCounter:

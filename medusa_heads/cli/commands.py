@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 
@@ -132,7 +133,7 @@ def _check_file(path: str, flag: str) -> None:
 
 def _read_prompts(path: str):
     """The prompt rows of --prompts; refuses a missing or empty file (a malformed line: ValueError naming file:line)."""
-    from medusa_heads.training.data import read_prompts
+    from medusa_heads.corpus import read_prompts
 
     path = _data_file(path, "--prompts")
     rows = read_prompts(path)
@@ -176,10 +177,12 @@ def _load_medusa(args: argparse.Namespace):
 
     tok = _load_tokenizer(args.model)
     # from_pretrained prepacks (where this CPU can) after merging a Medusa-2 adapter into the base, heads too
-    model = MedusaModel.from_pretrained(args.model, heads=args.heads or "auto", tree=getattr(args, "tree", None),
-                                        allow_base_mismatch=args.allow_base_mismatch,
-                                        dtype=getattr(torch, DTYPES[args.dtype]), device_map=args.device,
-                                        prepack=None if args.prepack else False)
+    with warnings.catch_warnings():  # untrained heads: the one line below says it the command's way
+        warnings.filterwarnings("ignore", "no shipped heads were trained", UserWarning)
+        model = MedusaModel.from_pretrained(args.model, heads=args.heads or "auto", tree=getattr(args, "tree", None),
+                                            allow_base_mismatch=args.allow_base_mismatch,
+                                            dtype=getattr(torch, DTYPES[args.dtype]), device_map=args.device,
+                                            prepack=None if args.prepack else False)
     if not model.config.extra:  # trained heads record their recipe and training; new heads record nothing
         where = f"{args.heads} holds" if args.heads else f"no shipped heads fit {args.model}, so it runs with"
         _note(f"untrained heads: {where} zero-initialised heads; tau will be near 1.0; train heads with `medusa-heads train`")
@@ -336,7 +339,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
     import torch
 
     from medusa_heads.model import MedusaModel
-    from medusa_heads.training.data import as_variant, subsample
+    from medusa_heads.corpus import as_variant, subsample
     from medusa_heads.training.distill import distill, reusable_answers
 
     caps = {}
@@ -375,7 +378,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
 def cmd_features(args: argparse.Namespace) -> None:
     import torch
 
-    from medusa_heads.training.data import read_conversations
+    from medusa_heads.corpus import read_conversations
     from medusa_heads.training.features import features_from_conversations
 
     data = _data_file(args.data, "--data")
@@ -432,7 +435,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from medusa_heads.calibration import PARTS, TIMED_PARTS, Settings, calibrate, cpu_count, held_out_conversations
     from medusa_heads.loading import load_tokenizer
     from medusa_heads.model import MedusaModel
-    from medusa_heads.training.data import read_conversations
+    from medusa_heads.corpus import read_conversations
 
     parts = [p for p in args.parts.split(",") if p]
     if not parts or set(parts) - set(PARTS):

@@ -1,4 +1,5 @@
-"""Prompt sets, self-distillation (the target writes the answers), chat tokenisation and loss masks."""
+"""Prompt and conversation files (JSONL, plain or .gz), their ids, and the training/evaluation split by prompt: what
+distillation writes and training, calibration and the benchmarks read."""
 from __future__ import annotations
 
 import gzip
