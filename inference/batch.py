@@ -34,7 +34,7 @@ def decode_batch(target: Target, plan: "DecodePlan", input_ids: torch.Tensor, at
         raise ValueError("batched prompts must be left-padded: the last position of every row must be a real token")
     # written in place, not grown by torch.cat at every forward (which copies every row's keys and values each step);
     # a row's entries end by prompt_len + max_new_tokens, and past the guess (a larger tree) a layer doubles
-    cache = new_cache(target.model, prompt_len + max_new_tokens + plan.buffers.size)
+    cache = new_cache(target.model, prompt_len + max_new_tokens + plan.max_size)
     odd = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, PreallocatedLayer)})
     if odd:
         raise NotImplementedError(f"batched generation needs full-attention cache layers; this model has {', '.join(odd)}")

@@ -176,7 +176,7 @@ def decode(target: Target, plan: "DecodePlan", input_ids: torch.Tensor, max_new_
     `stopping`: a transformers StoppingCriteriaList."""
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
-    capacity = prompt_len + max_new_tokens + plan.buffers.size  # a larger tree at some step grows the cache
+    capacity = prompt_len + max_new_tokens + plan.max_size  # past the plan's largest tree the cache grows
     cache = new_cache(target.model, capacity) if cache is None else cache
     sequence = torch.empty(prompt_len + max_new_tokens, dtype=torch.long, device=input_ids.device)
     sequence[:prompt_len] = input_ids[0]

@@ -35,6 +35,7 @@ class DecodePlan:
     processors: LogitsProcessorList | None  # context-dependent processors, run at each node on its own path
     greedy: bool  # the target may hand over each node's argmax instead of its logits (inference/screen.py)
     tree: str  # what the call drafts: "adaptive", "plain" or "fixed, N nodes"
+    max_size: int  # the most tree tokens (root included) a step may verify: the cache is sized for it
 
 
 def check_tree(tree: TreeArg, num_heads: int, draft_vocab_size: int) -> str | TreeSpec:
@@ -98,7 +99,7 @@ def make_plan(model: "MedusaModel", gc: GenerationConfig, *, rows: int, prompt_l
     device = model.base_model.device
     if adaptive:  # this step's tree from the heads' confidence, lookup and phrasebook merged in
         drafter = model.adaptive_drafter(lookup or 0, ngram, rows=rows, greedy=greedy)
-        return DecodePlan(drafter, from_parents((-1,), device), rule, processors, greedy, ADAPTIVE)
+        return DecodePlan(drafter, from_parents((-1,), device), rule, processors, greedy, ADAPTIVE, cost.max_size)
     if tree == PLAIN:
         buffers, drafter, label = from_parents((-1,), device), PlainDrafter(), PLAIN
     else:
@@ -106,7 +107,7 @@ def make_plan(model: "MedusaModel", gc: GenerationConfig, *, rows: int, prompt_l
         drafter = drafter or HeadsDrafter(model.heads)
     if lookup:  # the tree plus a continuation copied from the text so far, grown row by row
         drafter = LookupDrafter(drafter, lookup, max_ngram=ngram, min_ngram=min(MIN_NGRAM, ngram))
-    return DecodePlan(drafter, buffers, rule, processors, greedy, label)
+    return DecodePlan(drafter, buffers, rule, processors, greedy, label, buffers.size + (lookup or 0))
 
 
 _buffers: dict[tuple, TreeBuffers] = {}

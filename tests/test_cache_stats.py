@@ -25,7 +25,8 @@ def test_cache_equals_a_plain_prefill_of_the_accepted_tokens(arch, budget, oracl
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
     drafter = OracleDrafter(base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False), 96) if oracle else HeadsDrafter(model.heads)
     cache = new_cache(base, capacity)
-    plan = DecodePlan(drafter, model.tree_buffers, TargetChoice(), None, greedy=False, tree="fixed")
+    plan = DecodePlan(drafter, model.tree_buffers, TargetChoice(), None, greedy=False, tree="fixed",
+                      max_size=model.tree_buffers.size)
     seq, stats = decode(model.target, plan, ids, budget, set(), cache=cache)
     past = cache.get_seq_length()
     # every token but the next root is cached (at EOS or the budget the last emitted token may be cached too)
