@@ -412,3 +412,13 @@ def test_bench_names_prompts_by_their_place_not_their_id(tmp_path):
     assert ('Slowest single prompt for `medusa`: prompt 1 (chat, "Can you give me examples of strange laws in the US?"): '
             "0.90x.") in table and "train_prompts" not in table
     assert (tmp_path / "speedup.png").stat().st_size > 1000
+
+
+def test_distill_and_features_refuse_a_features_path_that_is_a_file(tmp_path, no_model, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "turns": ["hi"]}\n')
+    shards = tmp_path / "shards"
+    shards.write_text("not a folder")
+    code, err = run(["distill", "--prompts", str(prompts), "--out", str(tmp_path / "d.jsonl"), "--features", str(shards)],
+                    capsys)
+    one_line(code, err, f"--features {shards}: is a file; give the folder to keep feature shards in", "distill")

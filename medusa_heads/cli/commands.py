@@ -363,6 +363,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
                              "have a single turn, whose greedy answer would repeat the first: give it a "
                              "--temperature > 0, or rows with follow-up turns")
         rows = as_variant(rows, args.variant)
+    if args.features and Path(args.features).is_file():
+        raise SystemExit(f"--features {args.features}: is a file; give the folder to keep feature shards in")
     _check_heads(args.heads)
     _check_model(args.model)
     if args.threads:
