@@ -81,26 +81,32 @@ def main() -> None:
             "old": lambda ids: old.generate(ids, max_new_tokens=args.max_new_tokens),
             "new": lambda ids: new.generate(ids, max_new_tokens=args.max_new_tokens),
         }
+        forwards = [0]  # the decoder's forwards: every target forward runs it once (a screened verify skips the LM head)
+        base.get_decoder().register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
         warm = prompt_ids(tok, "Hello")
         for run in contenders.values():
             run(warm)
         seconds, tokens, differ = dict.fromkeys(contenders, 0.0), dict.fromkeys(contenders, 0), dict.fromkeys(contenders, 0)
+        calls = dict.fromkeys(contenders, 0)
         names = list(contenders)
         for i, row in enumerate(tqdm(rows, desc="A/B", unit="prompt")):
             ids = prompt_ids(tok, row.turns[0])
             outs = {}
             for name in names if i % 2 == 0 else names[::-1]:
-                t0 = time.perf_counter()
+                f0, t0 = forwards[0], time.perf_counter()
                 outs[name] = contenders[name](ids)
                 seconds[name] += time.perf_counter() - t0
+                calls[name] += forwards[0] - f0
                 tokens[name] += outs[name].shape[1] - ids.shape[1]
             for name in names:
                 differ[name] += not torch.equal(outs[name], outs["generate"])
     rate = {n: tokens[n] / seconds[n] for n in names}
     lines = [f"This build against {args.old}, greedy, {len(rows)} prompts ({', '.join(args.prompts)}), "
              f"{args.max_new_tokens} new tokens, {args.threads} threads, one process, alternating per prompt.", "",
-             "| contender | tokens/s | × generate | outputs differing from generate |", "|---|---|---|---|"]
-    lines += [f"| {n} | {rate[n]:.1f} | {rate[n] / rate['generate']:.3f} | {differ[n]} |" for n in names]
+             "| contender | tokens/s | × generate | τ (tokens a forward) | outputs differing from generate |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {n} | {rate[n]:.1f} | {rate[n] / rate['generate']:.3f} | {tokens[n] / calls[n]:.2f} | {differ[n]} |"
+              for n in names]
     lines += ["", f"new / old: **{rate['new'] / rate['old']:.3f}**"]
     emit(lines, args.out)
 
