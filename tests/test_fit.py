@@ -1,0 +1,119 @@
+"""`medusa-heads fit` end to end on tiny random models: heads that load by default, lossless, a report, resumable."""
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import tiny_model
+from medusa_heads.model import MedusaModel
+from medusa_heads.training.fit import choose_recipe, fit, parse_budget, training_prompts
+
+WORDS = [f"w{i}" for i in range(94)]
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer without a chat template over the model's first 96 ids (the rest: unused). (transformers
+    loads a Qwen2 model's folder with Qwen2's own tokenizer class, so the tests take no qwen2 model.)"""
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fit-prompts")
+    g = torch.Generator().manual_seed(0)
+    lines = [json.dumps({"id": f"p{i}", "prompt": " ".join(WORDS[j] for j in torch.randint(0, 94, (6,), generator=g))})
+             for i in range(400)]
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "bench.jsonl").write_text("\n".join(lines[:2]) + "\n")  # also in train: decontaminated away
+    return root
+
+
+def _model(folder, arch: str, chat: bool = False, **kw):
+    """A tiny model saved with a word-level tokenizer without a chat template, or (chat) the default model's."""
+    if chat:
+        from transformers import AutoTokenizer
+
+        from medusa_heads import default_model_path
+
+        tok = AutoTokenizer.from_pretrained(default_model_path())
+        kw = {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+              "pad_token_id": tok.eos_token_id, **kw}
+    else:
+        tok = _tokenizer()
+        kw = {"bos_token_id": 1, "eos_token_id": 1, "pad_token_id": 1, **kw}
+    base = tiny_model(arch, seed=3, **kw)
+    base.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return base
+
+
+def _fit(model_dir, out, prompts, **kw):
+    return fit(str(model_dir), 120, out, prompts=[str(prompts / "train.jsonl")], bench_files=[str(prompts / "bench.jsonl")],
+               bench_prompts=str(prompts / "bench.jsonl"), max_answers=24, max_steps=8, log=lambda m: None, **kw)
+
+
+def test_budget_and_rules():
+    assert parse_budget("6m") == 360 and parse_budget("2h") == 7200 and parse_budget("1h30m") == 5400
+    for bad in ("", "6", "2x", "0m"):
+        with pytest.raises(ValueError, match="--budget"):
+            parse_budget(bad)
+    assert choose_recipe(576, 49152, 3600)["recipe"]["mlp_size"] == 1536  # the shipped heads' shape
+    assert choose_recipe(4096, 152064, 3600)["recipe"]["draft_vocab_size"] == 4096
+
+
+def test_prompts_decontaminated(prompts):
+    rows = training_prompts([str(prompts / "train.jsonl")], [str(prompts / "bench.jsonl")], seed=0)
+    assert len(rows) == 398 and not {"p0", "p1"} & {r.id for r in rows}
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("llama", {}),  # GQA, untied LM head
+    ("phi3", {"tie_word_embeddings": True}),
+    ("mistral", {"num_key_value_heads": 4}),  # no GQA
+    ("qwen3", {"vocab_size": 150_016, "tie_word_embeddings": True}),  # a large vocabulary
+    ("gemma2", {"chat": True}),  # a chat template
+])
+def test_fit_end_to_end(tmp_path, prompts, arch, kw):
+    base = _model(tmp_path / "model", arch, **kw)
+    report = _fit(tmp_path / "model", tmp_path / "heads", prompts)
+    for key in ("answers", "train_tokens", "steps", "held_out_top1", "bench", "phases_s", "spent_s"):
+        assert key in report
+    assert report["bench"]["differ"] == 0 and report["steps"] == 8
+    assert (tmp_path / "heads" / "report.md").is_file()
+    model = MedusaModel.from_pretrained(base, heads=str(tmp_path / "heads"))
+    ids = torch.tensor([[2, 5, 9, 14]])
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=24), ref)
+    before = (tmp_path / "heads" / "fit_state.json").read_text()
+    _fit(tmp_path / "model", tmp_path / "heads", prompts)  # done: no work
+    assert (tmp_path / "heads" / "fit_state.json").read_text() == before
+
+
+def test_resume_after_each_phase_gives_the_same_heads(tmp_path, prompts):
+    _model(tmp_path / "model", "llama")
+    _fit(tmp_path / "model", tmp_path / "whole", prompts)
+    for phase in ("distill", "train", "calibrate"):
+        _fit(tmp_path / "model", tmp_path / "parts", prompts, stop_after=phase)
+        assert json.loads((tmp_path / "parts" / "fit_state.json").read_text())["done"].keys() >= {phase}
+    _fit(tmp_path / "model", tmp_path / "parts", prompts)
+    for name in ("heads.safetensors", "distilled.jsonl", "distilled_t07.jsonl"):
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "parts" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--budget", "2x"], "--budget takes a duration"),
+    (["--budget", "6m", "--out", __file__], "is a file"),
+    (["--budget", "6m", "--bench-prompts", "nope.jsonl"], "--bench-prompts nope.jsonl: no such file"),
+])
+def test_cli_refuses_before_loading(monkeypatch, capsys, argv, says):
+    from medusa_heads.cli import main
+
+    monkeypatch.setattr("medusa_heads.loading.load_base", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        main(["fit", *argv])
+    assert e.value.code != 0 and says in str(e.value.code)

@@ -1,0 +1,398 @@
+"""`medusa-heads fit`: from a model to calibrated, benchmarked heads within a time budget, in one resumable command.
+
+It orchestrates the library: distill (greedy and sampled answers, features kept during generation), train (a
+recipe from choose_recipe), calibrate, and a short held-out bench against generate. Every decision that sizes a
+phase (how many answers, how many steps) is measured on the spot, then written into DIR/fit_state.json before the
+phase runs, so a rerun after a kill continues with the same numbers and ends with the same heads."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from medusa_heads.corpus import PromptRow, as_variant, is_eval, read_prompts, subsample
+
+PHASES = ("distill", "train", "calibrate", "bench")
+# Each phase's share of the budget left after loading; a phase that ends early leaves its time to the next.
+SHARES = {"distill": 0.45, "train": 0.33, "calibrate": 0.10, "bench": 0.12}
+SAMPLED_SHARE = 0.44  # of the answers sampled at T 0.7: the shipped heads' mix (stage 4: 5,284 of 11,927 answers)
+SAMPLED_VARIANT = "t07"
+MIN_STEPS = 20
+BENCH_TOKENS = 64  # new tokens a bench prompt
+STATE = "fit_state.json"
+SOURCE_CAPS = {"gsm8k-train": 2000}  # the shipped heads' distill cap (configs/train/smollm2-135m.yaml): GSM8K is
+# 7,500 of the 12,126 training prompts
+
+
+def parse_budget(text: str) -> float:
+    """'6m', '90m', '2h', '1h30m', '45s' -> seconds."""
+    m = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*", text or "")
+    if not m or not any(m.groups()):
+        raise ValueError(f"--budget takes a duration such as 6m, 90m, 2h or 1h30m, got {text!r}")
+    h, mi, s = (float(g or 0) for g in m.groups())
+    seconds = 3600 * h + 60 * mi + s
+    if seconds <= 0:
+        raise ValueError(f"--budget must be positive, got {text!r}")
+    return seconds
+
+
+def choose_recipe(hidden_size: int, vocab_size: int, budget_s: float) -> dict:
+    """The heads' shape and training keys for a base of this size and a budget: the rules, in one place.
+
+    | key | rule | behind it |
+    |---|---|---|
+    | num_heads | 4 | the shipped heads; head 4's held-out top-1 (0.388) still adds to τ (docs/training.md) |
+    | condition | path | the shipped heads; path-conditioning beat plain Medusa heads (docs/not-kept.md) |
+    | mlp_size | 8/3·H rounded to 64 (1536 at H 576) up to H 1024; 0 (square blocks) above | the shipped block is
+      576 → 1536; above H 1024 a 2.7·H block costs more per draft than it was measured to buy: not measured |
+    | draft_vocab_size | min(4096, vocab) | the shipped heads: 4,096 tokens cover most answer tokens, also of a
+      150K vocabulary (the draft head's cost grows with it) |
+    | lr, decay, batch_size | 1e-3, 0.8, 2048 | the shipped recipe (configs/train/smollm2-135m.yaml) |
+    | lookup_tokens | 10 | the shipped recipe |
+    | max_steps | measured: the train phase's share of the budget over one timed step | budget rule, not a measured optimum |
+    | max_new_tokens | 128 under 30 min, 256 above | more prompts rather than longer answers in a short budget
+      ("new answers moved the heads", docs/training.md); not measured |
+    | max_prompt_chars | 1,000 under 30 min, 4,000 above | a batch pads to its longest prompt: one prompt of 1,000
+      tokens made a first batch of 16 take minutes on this CPU; not measured further |
+    """
+    mlp = 64 * round(8 * hidden_size / 3 / 64) if hidden_size <= 1024 else 0
+    return {
+        "recipe": dict(num_heads=4, num_layers=1, mlp_size=mlp, condition="path", draft_vocab_size=min(4096, vocab_size),
+                       decay=0.8, lr=1e-3, batch_size=2048, eval_fraction=0.05, lookup_tokens=10),
+        "max_new_tokens": 128 if budget_s < 1800 else 256,
+        "max_prompt_chars": 1000 if budget_s < 1800 else 4000,
+        "sampled_share": SAMPLED_SHARE,
+    }
+
+
+# ---- state ---------------------------------------------------------------------------------------------------------
+
+def read_state(out: Path) -> dict:
+    path = out / STATE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_state(out: Path, state: dict) -> None:
+    """Atomically: a kill leaves the old state or the new one."""
+    tmp = out / f".{STATE}.tmp"
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, out / STATE)
+
+
+# ---- prompts -------------------------------------------------------------------------------------------------------
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def training_prompts(prompts: list[str], bench_files: list[str], seed: int) -> list[PromptRow]:
+    """The prompts of `prompts` files, less every one whose id or any turn's text is in a bench file, shuffled
+    (seeded) together."""
+    import random
+
+    bench_ids, bench_text = set(), set()
+    for f in bench_files:
+        for r in read_prompts(f):
+            bench_ids.add(r.id)
+            bench_text.update(_norm(t) for t in r.turns)
+    rows = [r for f in prompts for r in read_prompts(f)
+            if r.id not in bench_ids and not any(_norm(t) in bench_text for t in r.turns)]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def take(pool: list[PromptRow], n: int, fraction: float) -> list[PromptRow]:
+    """The first n rows of the pool, with at least two held-out ones in each half of calibrate's split (else
+    training has nothing to evaluate on, and calibrate nothing to fit on one half and test on the other)."""
+    from medusa_heads.calibration.measure import second_half
+
+    rows = pool[:n]
+    for half in (False, True):
+        held = sum(is_eval(r.id, fraction) and second_half(r.id) == half for r in rows)
+        rows += [r for r in pool[n:] if is_eval(r.id, fraction) and second_half(r.id) == half][: max(0, 2 - held)]
+    return rows
+
+
+# ---- the command ---------------------------------------------------------------------------------------------------
+
+class Clock:
+    """The budget: seconds spent before this run (from the state) plus this run's."""
+
+    def __init__(self, budget_s: float, spent_before: float):
+        self.budget, self.before, self.t0 = budget_s, spent_before, time.time()
+
+    def spent(self) -> float:
+        return self.before + time.time() - self.t0
+
+    def left(self) -> float:
+        return self.budget - self.spent()
+
+
+def plan_text(state: dict, clock: Clock) -> str:
+    lines = [f"fit: budget {clock.budget / 60:.1f} min, {clock.spent() / 60:.1f} min spent"]
+    left = max(clock.left(), 0)
+    todo = [p for p in PHASES if p not in state.get("done", {})]
+    total = sum(SHARES[p] for p in todo) or 1
+    for p in PHASES:
+        done = state.get("done", {}).get(p)
+        what = f"done in {done['seconds']:.0f} s" if done else f"~{left * SHARES[p] / total:.0f} s"
+        lines.append(f"  {p:<10} {what}")
+    return "\n".join(lines)
+
+
+def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, force_cost: bool = False,
+        prompts: list[str] | None = None, bench_prompts: str = "data/bench_prompts.jsonl",
+        bench_files: list[str] | None = None, max_answers: int = 0, max_steps: int = 0,
+        stop_after: str | None = None, log=print) -> dict:
+    """Run (or continue) every phase not yet done in `out`; returns the report. max_answers / max_steps > 0 cap
+    what the budget would buy (tests, or a smaller run); stop_after ends after that phase (a test hook)."""
+    from medusa_heads.loading import load_base, load_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = read_state(out)
+    if state and state.get("model") != str(model):
+        raise ValueError(f"{out} holds a fit of {state.get('model')!r}, not {str(model)!r}: choose another --out")
+    state.setdefault("model", str(model))
+    state.setdefault("seed", seed)
+    state.setdefault("budget_s", budget_s)
+    state.setdefault("done", {})
+    clock = Clock(state["budget_s"], state.get("spent_s", 0.0))
+    if all(p in state["done"] for p in PHASES):
+        log(f"fit: every phase is done in {out}; the report is {out / 'report.md'}")
+        return json.loads((out / "report.json").read_text())
+    log(plan_text(state, clock))
+    base, tok = load_base(model), load_tokenizer(model)
+    h, v = base.config.hidden_size, base.get_output_embeddings().weight.shape[0]
+    if "rules" not in state:
+        state["rules"] = choose_recipe(h, v, state["budget_s"])
+        state["params"] = sum(p.numel() for p in base.parameters())
+        write_state(out, state)
+
+    def finish(phase: str, t0: float, **info) -> None:
+        state["done"][phase] = {"seconds": time.time() - t0, **info}
+        state["spent_s"] = clock.spent()
+        write_state(out, state)
+
+    def share(phase: str) -> float:
+        todo = [p for p in PHASES if p not in state["done"]]
+        return max(clock.left(), 0) * SHARES[phase] / sum(SHARES[p] for p in todo)
+
+    fraction = state["rules"]["recipe"]["eval_fraction"]
+    data = [out / "distilled.jsonl", out / f"distilled_{SAMPLED_VARIANT}.jsonl"]
+    for phase in PHASES:
+        if phase in state["done"]:
+            continue
+        t0 = time.time()
+        log(f"fit: {phase} (~{share(phase):.0f} s of {max(clock.left(), 0):.0f} s left)")
+        if phase == "distill":
+            finish(phase, t0, **_distill(base, tok, state, out, data, share(phase), fraction, prompts, bench_files,
+                                         max_answers, log, lambda: write_state(out, state)))
+        elif phase == "train":
+            finish(phase, t0, **_train(base, state, out, data, share(phase), max_steps, log,
+                                       lambda: write_state(out, state)))
+        elif phase == "calibrate":
+            finish(phase, t0, **_calibrate(base, tok, state, out, data, force_cost, log))
+        else:
+            finish(phase, t0, **_bench(base, tok, state, out, share(phase), bench_prompts, log))
+        if phase == stop_after:
+            return {}
+    report = write_report(state, out)
+    log((out / "report.md").read_text())
+    return report
+
+
+def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_files, max_answers, log, save) -> dict:
+    """Greedy answers to the first prompts, then sampled ones to the first of those: as many as the phase's time
+    buys, measured on the first batch; features kept during generation."""
+    from medusa_heads.default_model import DEFAULT_MODEL
+    from medusa_heads.prompting import has_chat_template
+    from medusa_heads.training.distill import distill
+
+    t0 = time.time()
+    files = prompts or ["data/train_prompts.jsonl.gz"]
+    if prompts is None and str(state["model"]) == DEFAULT_MODEL and has_chat_template(tok):
+        files = files + ["data/self_prompts.jsonl.gz"]  # its own Magpie prompts (scripts/make_self_prompts.py)
+    bench = bench_files if bench_files is not None else sorted(str(p) for p in Path("data").glob("bench_prompts*.jsonl"))
+    pool = [r for r in subsample(training_prompts(files, bench, state["seed"]), SOURCE_CAPS, state["seed"])
+            if sum(map(len, r.turns)) <= state["rules"]["max_prompt_chars"]]
+    tokens, batch = state["rules"]["max_new_tokens"], 16
+    kw = dict(max_new_tokens=tokens, batch_size=batch, seed=state["seed"], features=out / "features")
+    if "answers" not in state:  # one batch, timed, sizes the phase
+        cap = max_answers or len(pool)
+        first = take(pool, min(batch, cap), fraction)
+        s = time.time()
+        distill(base, tok, first, data[0], **kw)
+        per = (time.time() - s) / len(first)
+        n = int(max(seconds - (time.time() - t0), 0) / per)
+        n = max(min(n, cap, 2 * len(pool)), len(first))  # the first batch alone makes working heads
+        greedy = max(n - int(n * state["rules"]["sampled_share"]), len(first))
+        state["answers"] = {"greedy": greedy, "sampled": n - greedy, "seconds_per_answer": per,
+                            "prompts_available": len(pool), "files": files}
+        save()
+        log(f"fit: {per:.2f} s an answer: {greedy} greedy and {n - greedy} sampled answers in ~{n * per:.0f} s")
+    a = state["answers"]
+    deadline = t0 + 1.1 * seconds  # an estimate that was off stops the phase here, not the budget's end
+    greedy = take(pool, a["greedy"], fraction)
+    sampled = as_variant(take(pool, a["sampled"], fraction), SAMPLED_VARIANT) if a["sampled"] else []
+    data[1].touch()
+    stopped = False
+    for rows, path, extra in ((greedy, data[0], {}), (sampled, data[1], {"temperature": 0.7})):
+        for i in range(0, len(rows), batch):  # a batch at a time, to look at the clock
+            if time.time() > deadline:
+                stopped = True
+                break
+            distill(base, tok, rows[: i + batch], path, **kw, **extra)  # the rows before are done: skipped
+    if stopped:
+        log(f"fit: distill stopped at its deadline, {time.time() - t0:.0f} s")
+    from medusa_heads.corpus import read_conversations
+
+    return {"greedy": len(read_conversations(data[0])), "sampled": len(read_conversations(data[1])),
+            "stopped_at_deadline": stopped}
+
+
+def _train(base, state, out, data, seconds, max_steps, log, save) -> dict:
+    """Steps as many as the phase's time buys at one timed step (measured on the heads themselves)."""
+    from medusa_heads.training.recipe import TrainRecipe
+    from medusa_heads.training.trainer import train
+
+    files = [str(p) for p in data if p.is_file() and p.stat().st_size]
+    rules = state["rules"]["recipe"]
+    if "steps" not in state:
+        per = _time_step(base, rules)
+        n = max(MIN_STEPS, int(seconds * 0.85 / per))  # evaluation and checkpoints take the rest
+        n = min(n, max_steps) if max_steps else n
+        state["steps"] = {"max_steps": n, "seconds_per_step": per}
+        save()
+        log(f"fit: {per:.3f} s a step: {n} steps")
+    n = state["steps"]["max_steps"]
+    recipe = TrainRecipe(model=state["model"], data=",".join(files), features=str(out / "features"), out=str(out),
+                         max_steps=n, warmup_steps=max(1, min(50, n // 10)), eval_every=max(1, n // 4),
+                         save_every=max(1, n // 4), seed=state["seed"], **rules)
+    train(recipe, resume=True)
+    log_rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
+    data_row = next(r for r in log_rows if r["kind"] == "data")
+    final = [r for r in log_rows if r["kind"] == "eval"][-1]
+    return {"steps": n, "train_tokens": data_row["train_tokens"], "eval_tokens": data_row["eval_tokens"],
+            "top1": [final[f"top1_{k + 1}"] for k in range(rules["num_heads"])]}
+
+
+def _time_step(base, rules: dict, repeats: int = 3) -> float:
+    """Seconds of one optimizer step of these heads over a batch of random features (the median of `repeats`)."""
+    import torch
+
+    from medusa_heads.heads import MedusaHeads
+    from medusa_heads.training.loss import medusa_loss
+    from medusa_heads.training.recipe import TrainRecipe
+
+    lm, emb = base.get_output_embeddings().weight.detach(), base.get_input_embeddings().weight.detach()
+    recipe = TrainRecipe(model="", **rules)
+    vocab = list(range(min(rules["draft_vocab_size"] or lm.shape[0], lm.shape[0])))
+    heads = MedusaHeads(recipe.heads_config(*lm.shape, vocab, {}), lm, emb)
+    opt = torch.optim.AdamW(heads.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    b, k = rules["batch_size"], rules["num_heads"]
+    hidden = torch.randn(b, lm.shape[1], generator=g)
+    context = torch.randint(0, lm.shape[0], (b, heads.config.context_size), generator=g)
+    targets = torch.randint(0, len(vocab), (b, k), generator=g)
+    times = []
+    for _ in range(repeats + 1):
+        s = time.time()
+        loss = medusa_loss(heads(hidden, context), targets, rules["decay"])[0]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.time() - s)
+    return sorted(times[1:])[len(times[1:]) // 2]  # the first warms up
+
+
+def _calibrate(base, tok, state, out, data, force_cost, log) -> dict:
+    """Acceptance, lookup, the phrasebook and the kernels' cost; timings refused under load are not stored
+    (unless force_cost) and the heads then keep their fixed tree."""
+    from medusa_heads.calibration import Settings, UntrustedTimings, calibrate, held_out_conversations
+    from medusa_heads.corpus import read_conversations
+    from medusa_heads.model import MedusaModel
+
+    convs = [c for p in data if p.is_file() for c in read_conversations(p)]
+    held = held_out_conversations(convs, out)
+    ids = {c["id"] for c in held}
+    learn = [c for c in convs if c["id"] not in ids]
+    model = MedusaModel.from_pretrained(base, heads=str(out))
+    positions = getattr(base.config, "max_position_embeddings", None) or 1 << 20
+    settings = Settings(repeats=5, contexts=tuple(c for c in Settings.contexts if c < positions) or (positions // 2,))
+    problem, attempts = None, [["acceptance", "lookup", "ngrams", "cost"], ["lookup", "cost"], ["cost"]]
+    for parts in attempts:  # the first the data allows: acceptance needs held-out answers in both halves, lookup tokens
+        try:
+            calibrate(model, tok, out, parts, held, out / "features", settings,
+                      phrase_data=(learn, held) if "ngrams" in parts else None, force_cost=force_cost, log=log)
+            break
+        except UntrustedTimings as e:
+            problem = str(e)
+            log(f"fit: {problem}: the heads keep their fixed tree")
+            break
+        except ValueError as e:
+            log(f"fit: calibrating {', '.join(parts)}: {e}; trying with less")
+    else:
+        parts = []  # nothing calibrated: the heads keep their fixed tree
+    return {"held_out": len(held), "parts": parts, "untrusted_timings": problem, "forced": force_cost}
+
+
+def _bench(base, tok, state, out, seconds, bench_prompts, log) -> dict:
+    """A short bench against generate on held-out prompts: as many as the phase's time buys (at least 2)."""
+    import torch
+
+    from medusa_heads.cli.bench import run_bench
+    from medusa_heads.corpus import read_prompts
+    from medusa_heads.model import MedusaModel
+    from medusa_heads.prompting import prompt_ids
+
+    model = MedusaModel.from_pretrained(base, heads=str(out))
+    rows = read_prompts(bench_prompts)
+    if "bench_prompts" not in state:
+        ids = prompt_ids(tok, rows[0].turns[0])
+        s = time.time()
+        with torch.no_grad():
+            base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        per_token = (time.time() - s) / 16
+        state["bench_prompts"] = max(2, min(len(rows), int(seconds / (2.2 * BENCH_TOKENS * per_token))))
+    result = run_bench(model, tok, rows[: state["bench_prompts"]], ["hf", "medusa"], BENCH_TOKENS)
+    m = result["overall"]["medusa"]
+    return {"prompts": state["bench_prompts"], "tau": m["mean_accepted"], "speedup": m["speedup_vs_hf"],
+            "differ": m["mismatches_vs_hf"], "file": str(bench_prompts),
+            "per_step_tree": model.cost_model() is not None}
+
+
+def write_report(state: dict, out: Path) -> dict:
+    d = state["done"]
+    report = {
+        "model": state["model"], "budget_s": state["budget_s"], "spent_s": state.get("spent_s"),
+        "phases_s": {p: d[p]["seconds"] for p in PHASES},
+        "answers": {k: d["distill"][k] for k in ("greedy", "sampled")},
+        "train_tokens": d["train"]["train_tokens"], "eval_tokens": d["train"]["eval_tokens"],
+        "steps": d["train"]["steps"], "held_out_top1": d["train"]["top1"], "recipe": state["rules"],
+        "calibration": {"untrusted_timings": d["calibrate"]["untrusted_timings"], "forced": d["calibrate"]["forced"]},
+        "bench": {k: d["bench"][k] for k in ("prompts", "tau", "speedup", "differ", "file", "per_step_tree")},
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    b, r = report["bench"], report["recipe"]["recipe"]
+    tree = "the per-step tree (calibrated)" if b["per_step_tree"] else "the fixed tree (no trusted cost model: " \
+        f"{report['calibration']['untrusted_timings'] or 'none measured'})"
+    md = [f"# fit: {state['model']}", "",
+          f"Budget {state['budget_s'] / 60:.1f} min, spent {report['spent_s'] / 60:.1f} min "
+          f"({', '.join(f'{p} {s:.0f} s' for p, s in report['phases_s'].items())}; the rest: loading).", "",
+          "| what the budget bought | |", "|---|---|",
+          f"| answers | {report['answers']['greedy']} greedy + {report['answers']['sampled']} sampled (T 0.7) |",
+          f"| answer tokens | {report['train_tokens']:,} training, {report['eval_tokens']:,} held out |",
+          f"| heads | {r['num_heads']} × {r['condition']}-conditioned, mlp {r['mlp_size']}, draft vocabulary {r['draft_vocab_size']} |",
+          f"| training steps | {report['steps']} |",
+          f"| held-out top-1, heads 1–{r['num_heads']} | {' / '.join(f'{t:.3f}' for t in report['held_out_top1'])} |",
+          f"| bench | {b['prompts']} prompts of {b['file']}, {BENCH_TOKENS} new tokens, greedy |",
+          f"| τ (tokens a forward) | {b['tau']:.2f} |", f"| speed-up over generate | {b['speedup']:.2f}× |",
+          f"| outputs that differ from generate | {b['differ']} |", f"| tree used | {tree} |", ""]
+    (out / "report.md").write_text("\n".join(md))
+    return report
+
+
+__all__ = ["PHASES", "choose_recipe", "fit", "parse_budget", "plan_text", "training_prompts"]
