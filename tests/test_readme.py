@@ -185,7 +185,7 @@ def test_docs_cli_shows_the_live_help():
     doc = (ROOT / "docs" / "cli.md").read_text()
     blocks = dict(re.findall(r"### (\S+)\n```text\n(.*?)\n```", doc.split("<!-- help:start", 1)[1], flags=re.S))
     commands = ["medusa-heads", "generate", "chat", "demo", "distill", "features", "train", "calibrate", "bench",
-                "export"]
+                "export", "fit"]
     assert sorted(blocks) == sorted(commands)
     env = {**os.environ, "COLUMNS": "100"}
     for name in commands:

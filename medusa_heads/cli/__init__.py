@@ -1,4 +1,4 @@
-"""The medusa-heads command line: generate, chat, demo, distill, features, train, calibrate, bench, export."""
+"""The medusa-heads command line: generate, chat, demo, distill, features, train, calibrate, bench, export, fit."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import traceback
 # Nothing here imports torch or transformers: `medusa-heads --help` prints at once; a command imports what it needs.
 from medusa_heads.cli.commands import (
     DEFAULT_TEMPERATURE, DEFAULT_TOP_P, cmd_bench, cmd_calibrate, cmd_chat, cmd_demo, cmd_distill, cmd_export,
-    cmd_features, cmd_generate, cmd_train,
+    cmd_features, cmd_fit, cmd_generate, cmd_train,
 )
 from medusa_heads.calibration import PARTS, Settings
 from medusa_heads.config import DEFAULT_TREE
@@ -277,6 +277,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true",
                    help="export into a folder that holds files already: what an export writes (either layout's files) "
                         "is replaced, so the folder holds one layout")
+
+    fi = command("fit", "heads for a model within a time budget: distill, train, calibrate, bench (rerun continues)",
+                 cmd_fit)
+    fi.add_argument("--model", default=DEFAULT_MODEL, help="the base model (a name, a local HF folder or a hub id)")
+    fi.add_argument("--budget", required=True, help="wall-clock time for everything, model loading included: 6m, 90m, 2h, 1h30m")
+    fi.add_argument("--out", default="runs/fit", help="heads directory to write (then MedusaModel.from_pretrained(model, "
+                                                     "heads=OUT)); it also keeps the answers, features, state and report")
+    fi.add_argument("--prompts", nargs="+", default=None,
+                    help="prompt files to distill (default: data/train_prompts.jsonl.gz, and the default model's own "
+                         "data/self_prompts.jsonl.gz), less any prompt of a data/bench_prompts*.jsonl file")
+    fi.add_argument("--bench-prompts", default="data/bench_prompts.jsonl", help="held-out prompts of the closing bench")
+    fi.add_argument("--max-answers", type=positive, default=None, help="at most this many answers, whatever the budget buys")
+    fi.add_argument("--max-steps", type=positive, default=None, help="at most this many training steps")
+    fi.add_argument("--force-cost", action="store_true",
+                    help="store the kernels' timings even when taken on a loaded machine (otherwise such timings are "
+                         "not stored, and the heads keep their fixed tree)")
+    fi.add_argument("--seed", type=int, default=0, help="prompt order, sampling and training data order")
+    fi.add_argument("--stop-after", choices=["distill", "train", "calibrate", "bench"], default=None,
+                    help="stop after this phase (a rerun continues)")
+    _threads_arg(fi, None)
     return p
 
 

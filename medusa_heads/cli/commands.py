@@ -531,6 +531,26 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(f"results written to {out}", file=sys.stderr)
 
 
+def cmd_fit(args: argparse.Namespace) -> None:
+    from medusa_heads.training.fit import fit, parse_budget
+
+    budget = parse_budget(args.budget)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise SystemExit(f"--out {args.out}: is a file; give a folder for the heads")
+    prompts = [_data_file(f, "--prompts") for f in args.prompts] if args.prompts else None
+    for f in prompts or []:
+        _read_prompts(f)
+    _check_file(args.bench_prompts, "--bench-prompts")
+    _check_model(args.model)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    fit(args.model, budget, args.out, seed=args.seed, force_cost=args.force_cost, prompts=prompts,
+        bench_prompts=args.bench_prompts, max_answers=args.max_answers or 0, max_steps=args.max_steps or 0,
+        stop_after=args.stop_after, log=lambda m: print(m, file=sys.stderr))
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     """Write heads in another layout: --format medusa, the reference layout (medusa_lm_head.safetensors +
     config.json); --format vllm, everything vLLM 0.32's Medusa reads (biases, draft vocabulary, shared LM head)."""
