@@ -222,10 +222,14 @@ def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_file
     kw = dict(max_new_tokens=tokens, batch_size=batch, seed=state["seed"], features=out / "features")
     if "answers" not in state:  # one batch, timed, sizes the phase
         cap = max_answers or len(pool)
-        first = take(pool, min(batch, cap), fraction)
-        s = time.time()
-        distill(base, tok, first, data[0], **kw)
-        per = (time.time() - s) / len(first)
+        s, written, k = time.time(), 0, 1
+        while True:  # a batch of new answers is timed (after a kill in it, the next one: rows already done are skipped)
+            first = take(pool, min(k * batch, cap), fraction)
+            written += distill(base, tok, first, data[0], **kw)["written"]
+            if written >= min(batch, cap) or k * batch >= cap:
+                break
+            k += 1
+        per = (time.time() - s) / max(written, 1)
         n = int(max(seconds - (time.time() - t0), 0) / per)
         n = max(min(n, cap, 2 * len(pool)), len(first))  # the first batch alone makes working heads
         greedy = max(n - int(n * state["rules"]["sampled_share"]), len(first))
