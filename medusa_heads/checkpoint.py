@@ -446,3 +446,44 @@ def check_vllm_export(directory: str | os.PathLike, lm_head_weight: torch.Tensor
             if not torch.equal(state["lm_head.weight"], want):
                 raise ValueError(f"{d / VLLM_WEIGHTS}: lm_head.weight rows are not the base LM head's rows at token_map")
     return config
+
+
+# ---- the project's vLLM plugin (vllm_plugin/, package medusa-heads-vllm) -------------------------------------------
+# Any heads this project trains, for the draft architecture the plugin registers: vLLM's MedusaProposer builds it
+# from config.json's "architectures", so model_type stays "medusa". The heads' own key names, plus the target's LM
+# head (the root token, and the rows a shared LM head scores through), its input embeddings where conditioned heads
+# read tokens and they are not the LM head, and the draft vocabulary. No key of config.json's top level may hold
+# "num" beside "heads"/"layers" other than medusa_num_heads: vLLM's MedusaConfig renames such keys.
+PLUGIN_ARCHITECTURE = "MedusaHeadsDraft"
+PLUGIN_FORMAT = 1
+
+
+def export_vllm_plugin(heads: MedusaHeads, base: PreTrainedModel, out: str | os.PathLike, base_name: str = "") -> Path:
+    """Write config.json + model.safetensors for the vLLM plugin (every head shape), then read them back."""
+    cfg = heads.config
+    lm = base.get_output_embeddings().weight.detach()
+    embed = base.get_input_embeddings().weight.detach()
+    if tuple(lm.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"heads expect an LM head of ({cfg.vocab_size}, {cfg.hidden_size}), the base's is {tuple(lm.shape)}")
+    tied = embed.shape == lm.shape and (embed.data_ptr() == lm.data_ptr() or torch.equal(embed, lm))
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in heads.state_dict().items()}
+    state["lm_head.weight"] = lm.to("cpu").contiguous().clone()
+    if cfg.context_size and not tied:
+        state["embed_tokens.weight"] = embed.to("cpu").contiguous().clone()
+    if cfg.draft_vocab is not None:
+        state["draft_vocab"] = torch.tensor(cfg.draft_vocab, dtype=torch.long)
+    spec = {"format": PLUGIN_FORMAT, "num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "mlp_size": cfg.mlp_size,
+            "condition": cfg.condition, "own_lm_head": cfg.own_lm_head, "draft_vocab_size": cfg.draft_vocab_size,
+            "tied_embeddings": bool(tied)}
+    config = {"model_type": "medusa", "architectures": [PLUGIN_ARCHITECTURE], "medusa_num_heads": cfg.num_heads,
+              "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "truncated_vocab_size": cfg.vocab_size,
+              "medusa_heads": spec, "base_model_name_or_path": base_name,
+              "torch_dtype": str(state["lm_head.weight"].dtype).removeprefix("torch.")}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / VLLM_WEIGHTS, lambda p: save_file(state, p, metadata={"format": "pt"}))
+    _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=1) + "\n"))
+    back = load_file(out / VLLM_WEIGHTS)
+    if set(back) != set(state) or any(not torch.equal(back[k], state[k]) for k in state):
+        raise ValueError(f"{out / VLLM_WEIGHTS}: read back differs from what was written")
+    return out

@@ -1,10 +1,12 @@
-"""vLLM serves our exported heads losslessly: the check behind `make test-vllm` (see README "Serving with vLLM").
+"""vLLM serves our heads losslessly through the plugin (vllm_plugin/): the check behind `make test-vllm` (see README
+"Serving with vLLM"). An export of either layout works: `medusa-heads export --format vllm` (the plugin) or
+`--format vllm-stock` (vLLM's own Medusa, Medusa-1 heads).
 
 Three steps, each in its own interpreter (vLLM lives in .venv-vllm, with transformers < 5.20):
   .venv/bin/python scripts/vllm_check.py ours --heads DIR --out runs/vllm/ours.json
       our decoder with the same heads as a top-1 chain: greedy ids and tokens per verify step
   .venv-vllm/bin/python scripts/vllm_check.py check --export runs/vllm/heads --ours runs/vllm/ours.json
-      vLLM offline with and without the heads: identical greedy ids, drafts inside the token_map, vLLM's own
+      vLLM offline with and without the heads: identical greedy ids, drafts inside the draft vocabulary, vLLM's own
       acceptance metrics next to ours; then `vllm serve` with the heads answers one chat request over HTTP
   .venv-vllm/bin/python scripts/vllm_check.py load --export runs/vllm/heads
       output tokens/s with and without the heads at 1, 4 and 16 concurrent requests (results/vllm/load.md)
@@ -24,8 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "data" / "bench_prompts.jsonl"
-# vLLM on this CPU: fp32 (greedy equality), eager, a small KV cache, both cores. vLLM 0.32 registers the token_map
-# tensor while loading but never reports it loaded, so its strict weight check must be off for a draft vocabulary.
+# vLLM on this CPU: fp32 (greedy equality), eager, a small KV cache, both cores. vLLM 0.32's own Medusa registers the
+# token_map tensor while loading but never reports it loaded, so its strict weight check must be off for a stock
+# export with a draft vocabulary (the plugin needs no such setting; it does no harm there).
 ENGINE = dict(dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
               model_loader_extra_config={"enable_weights_track": False})
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
@@ -75,9 +78,19 @@ def base_dir() -> str:
     return str(path)
 
 
-def spec_config(export: str) -> dict:
+def spec_config(export: str, tokens: int | None = None) -> dict:
+    """vLLM's speculative_config for an export: every head drafts unless `tokens` says fewer (the plugin only)."""
     n = json.loads((Path(export) / "config.json").read_text())["medusa_num_heads"]
-    return {"method": "medusa", "model": str(export), "num_speculative_tokens": n}
+    return {"method": "medusa", "model": str(export), "num_speculative_tokens": tokens or n}
+
+
+def draft_vocabulary(export: str) -> set[int] | None:
+    """The token ids an export may draft (None: all): the plugin's draft_vocab or stock vLLM's token_map."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(export) / "model.safetensors"), "pt") as f:
+        key = next((k for k in ("draft_vocab", "token_map") if k in f.keys()), None)
+        return None if key is None else set(f.get_tensor(key).tolist())
 
 
 def chat_token_ids(base: str, texts: list[str]) -> list[list[int]]:
@@ -164,7 +177,6 @@ def serve_reply(base: str, export: str, prompt: str, max_tokens: int, timeout: f
 
 
 def run_check(args: argparse.Namespace) -> None:
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     t0 = time.monotonic()
@@ -177,8 +189,7 @@ def run_check(args: argparse.Namespace) -> None:
     metrics = spec_metrics(llm)
     del llm
     differ = [i for i, (a, b) in enumerate(zip(plain, spec)) if a != b]
-    state = load_file(Path(args.export) / "model.safetensors")
-    allowed = set(state["token_map"].tolist()) if "token_map" in state else None
+    allowed = draft_vocabulary(args.export)
     drafts = {t for d in drafted for t in d.flatten().tolist()}
     outside = sorted(drafts - allowed) if allowed is not None else []
     ours = json.loads(Path(args.ours).read_text()) if args.ours else None
@@ -188,7 +199,8 @@ def run_check(args: argparse.Namespace) -> None:
     reply = serve_reply(base, args.export, texts[0], args.max_tokens, args.serve_timeout)
     report = {
         "prompts": args.n, "max_tokens": args.max_tokens, "engine": {k: v for k, v in ENGINE.items()}, "env": ENV,
-        "outputs_differ": differ, "vllm": metrics, "distinct_drafted_tokens": len(drafts), "drafted_outside_token_map": outside,
+        "export": str(args.export), "architecture": json.loads((Path(args.export) / "config.json").read_text())["architectures"],
+        "outputs_differ": differ, "vllm": metrics, "distinct_drafted_tokens": len(drafts), "drafted_outside_vocabulary": outside,
         "ours": None if ours is None else {"mean_acceptance_length": ours["mean_acceptance_length"], "tree": ours["tree"],
                                            "ids_equal_to_vllm": sum(a == b for a, b in zip(ours["ids"], plain))},
         "serve": {"reply_equals_offline": reply == offline_text, "seconds": round(time.monotonic() - t_serve, 1)},
@@ -203,14 +215,14 @@ def run_check(args: argparse.Namespace) -> None:
           f"{metrics['accepted_tokens']}; mean acceptance length {metrics['mean_acceptance_length']:.3f}"
           + ("" if ours is None else f", ours (chain-4, same heads and prompts) {ours['mean_acceptance_length']:.3f}"))
     print(f"vllm_check: per-position acceptance {[round(a, 3) for a in metrics['acceptance_rate_per_position']]}; "
-          f"{len(drafts)} distinct drafted tokens, {len(outside)} outside the token_map")
+          f"{len(drafts)} distinct drafted tokens, {len(outside)} outside the draft vocabulary")
     print(f"vllm_check: vllm serve chat reply {'equals' if reply == offline_text else 'DIFFERS FROM'} the offline greedy reply")
     if differ:
         fail(f"greedy ids differ with the heads on prompts {differ}")
     if not drafted or metrics["drafts"] == 0:
         fail("vLLM proposed no drafts: the heads did not run")
     if outside:
-        fail(f"vLLM drafted {len(outside)} tokens outside the token_map, e.g. {outside[:5]}")
+        fail(f"vLLM drafted {len(outside)} tokens outside the draft vocabulary, e.g. {outside[:5]}")
     if reply != offline_text:
         fail(f"vllm serve replied {reply[:80]!r}, offline greedy gave {offline_text[:80]!r}")
     print(f"vllm_check: OK ({report['seconds']:.0f} s; results/vllm/check.json)")

@@ -1,4 +1,4 @@
-"""`export --format vllm`: what vLLM 0.32's Medusa reads (names, medusa_fc_bias, token_map, original_lm_head), read
+"""`export --format vllm-stock`: what vLLM 0.32's Medusa reads (names, medusa_fc_bias, token_map, original_lm_head), read
 back the way vLLM computes its drafts; heads vLLM cannot run and broken exports are refused with the cause."""
 from __future__ import annotations
 
@@ -125,14 +125,14 @@ def test_export_command_refuses_path_heads_and_heads_of_another_base(tmp_path):
     ok = MedusaModel.from_pretrained(other, heads=None, num_heads=2, draft_vocab=VOCAB, tree=[[0], [0, 0]])
     save_heads(tmp_path / "other", ok.heads)
     with pytest.raises(SystemExit, match="medusa-heads export: these heads were trained for another base model"):
-        main(["export", "--format", "vllm", "--model", str(tmp_path / "base"), str(tmp_path / "other"), str(tmp_path / "o1")])
+        main(["export", "--format", "vllm-stock", "--model", str(tmp_path / "base"), str(tmp_path / "other"), str(tmp_path / "o1")])
     path_heads = MedusaModel.from_pretrained(base, heads=None, num_heads=2, condition="path", tree=[[0], [0, 0]])
     save_heads(tmp_path / "path", path_heads.heads)
     with pytest.raises(SystemExit, match='medusa-heads export: heads with condition="path" .* train serving heads'):
-        main(["export", "--format", "vllm", "--model", str(tmp_path / "base"), str(tmp_path / "path"), str(tmp_path / "o2")])
+        main(["export", "--format", "vllm-stock", "--model", str(tmp_path / "base"), str(tmp_path / "path"), str(tmp_path / "o2")])
     good = randomize_heads(MedusaModel.from_pretrained(base, heads=None, num_heads=2, draft_vocab=VOCAB, tree=[[0], [0, 0]]))
     save_heads(tmp_path / "good", good.heads)
-    main(["export", "--format", "vllm", "--model", str(tmp_path / "base"), str(tmp_path / "good"), str(tmp_path / "o3")])
+    main(["export", "--format", "vllm-stock", "--model", str(tmp_path / "base"), str(tmp_path / "good"), str(tmp_path / "o3")])
     assert check_vllm_export(tmp_path / "o3", base.lm_head.weight)["truncated_vocab_size"] == len(VOCAB)
     hidden = torch.randn(20, 32)
     assert torch.equal(vllm_drafts(tmp_path / "o3", hidden), good.heads.topk(hidden, 1)[..., 0].T)

@@ -266,11 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="folder for results.md, results.json, speedup.png "
                                                "(default: a new runs/bench-YYYYmmdd-HHMMSS)")
 
-    e = command("export", "write heads in another layout (--format vllm: what vLLM serves; medusa: the reference layout)",
-                cmd_export)
+    e = command("export", "write heads in another layout (--format vllm: for the vLLM plugin; vllm-stock: vLLM's own "
+                "Medusa, Medusa-1 heads only; medusa: the reference layout)", cmd_export)
     e.add_argument("heads_dir", help="heads directory to export")
     e.add_argument("out", help="folder to write the exported heads to")
-    e.add_argument("--format", choices=["vllm", "medusa"], default="medusa", help="the layout to write")
+    e.add_argument("--format", choices=["vllm", "vllm-stock", "medusa"], default="medusa",
+                   help="the layout to write: vllm (the plugin vllm_plugin/ serves any heads), vllm-stock (vLLM's "
+                        "built-in Medusa: condition none, square blocks), medusa (the reference layout)")
     e.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
     e.add_argument("--allow-base-mismatch", action="store_true",
                    help="export heads trained for another base model of the same sizes")

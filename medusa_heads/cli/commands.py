@@ -552,24 +552,28 @@ def cmd_fit(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    """Write heads in another layout: --format medusa, the reference layout (medusa_lm_head.safetensors +
-    config.json); --format vllm, everything vLLM 0.32's Medusa reads (biases, draft vocabulary, shared LM head)."""
+    """Write heads in another layout: --format vllm, for the project's vLLM plugin (any heads); vllm-stock, what
+    vLLM 0.32's own Medusa reads (Medusa-1 heads only, no plugin); medusa, the reference layout
+    (medusa_lm_head.safetensors + config.json)."""
     import torch
 
     from medusa_heads.checkpoint import (CONFIG_NAME, REFERENCE_WEIGHTS, VLLM_WEIGHTS, export_reference, export_vllm,
-                                         is_reference_dir, load_config, vllm_exportable)
+                                         export_vllm_plugin, is_reference_dir, load_config, vllm_exportable)
     from medusa_heads.model import MedusaModel
 
     _check_heads(args.heads_dir, flag="heads directory")
     layouts = _check_export_target(args.heads_dir, args.out, args.force)
     _check_model(args.model)
-    if args.format == "vllm" and not is_reference_dir(args.heads_dir):
+    if args.format == "vllm-stock" and not is_reference_dir(args.heads_dir):
         vllm_exportable(load_config(args.heads_dir))  # refuse before loading the model
     model = MedusaModel.from_pretrained(args.model, heads=args.heads_dir, prepack=False, draft_dtype=torch.float32,
                                         allow_base_mismatch=args.allow_base_mismatch)  # the weights as stored, fp32
-    export = export_vllm if args.format == "vllm" else export_reference
-    out = export(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)
-    written = {VLLM_WEIGHTS if args.format == "vllm" else REFERENCE_WEIGHTS, CONFIG_NAME}
+    if args.format == "vllm":
+        out = export_vllm_plugin(model.heads, model.base_model, args.out, base_name=args.model)
+    else:
+        export = export_vllm if args.format == "vllm-stock" else export_reference
+        out = export(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)
+    written = {REFERENCE_WEIGHTS if args.format == "medusa" else VLLM_WEIGHTS, CONFIG_NAME}
     for name in sorted(set(layouts) - written):  # --force: the folder ends with one layout, the one just written
         (out / name).unlink(missing_ok=True)
     print(f"exported to {out}" + (f" (replaced {', '.join(sorted(layouts))})" if layouts else ""), file=sys.stderr)
