@@ -78,12 +78,15 @@ def _readable(target: Path) -> None:
         pass
 
 
-HEADS_KINDS = {"tree": "default_heads", "serving": "default_heads_serving"}
+HEADS_KINDS = {"tree": "default_heads"}
 
 
 def default_heads_path(kind: str = "tree") -> Path:
-    """Directory of heads shipped for the default model: "tree" (our decoder's path-conditioned heads, the default)
-    or "serving" (Medusa-1 heads that vLLM runs: `medusa-heads export --format vllm`)."""
+    """Directory of the heads shipped for the default model (kind "tree", the only one): our decoder's
+    path-conditioned heads, which vLLM serves too through the plugin (`medusa-heads export --format vllm`)."""
+    if kind == "serving":
+        raise ValueError('the "serving" heads are no longer shipped: vLLM serves the shipped heads through the plugin '
+                         "(vllm_plugin/; `medusa-heads export --format vllm`)")
     if kind not in HEADS_KINDS:
         raise ValueError(f"heads kind must be one of {', '.join(HEADS_KINDS)}, got {kind!r}")
     path = Path(__file__).parent / HEADS_KINDS[kind]

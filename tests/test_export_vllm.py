@@ -142,31 +142,7 @@ def test_default_heads_path_kinds():
     from medusa_heads import default_heads_path
 
     assert default_heads_path().name == "default_heads" and default_heads_path("tree") == default_heads_path()
-    assert default_heads_path("serving").name == "default_heads_serving"
-    with pytest.raises(ValueError, match="heads kind must be one of tree, serving, got 'medusa'"):
+    with pytest.raises(ValueError, match='the "serving" heads are no longer shipped: vLLM serves the shipped heads'):
+        default_heads_path("serving")
+    with pytest.raises(ValueError, match="heads kind must be one of tree, got 'medusa'"):
         default_heads_path("medusa")
-
-
-@pytest.mark.real
-def test_shipped_serving_heads_decode_losslessly_and_export_for_vllm(real_base, tmp_path):
-    from medusa_heads import default_heads_path
-    from medusa_heads.checkpoint import load_config
-
-    from conftest import chat_ids
-
-    base, tok = real_base
-    path = default_heads_path("serving")
-    cfg = load_config(path)
-    assert (cfg.condition, cfg.mlp_size, cfg.num_layers, cfg.num_heads, cfg.draft_vocab_size, cfg.own_lm_head) == ("none", 0, 1, 4, 4096, False)
-    model = MedusaModel.from_pretrained(base, heads=path, tree="chain-4", draft_dtype=torch.float32)  # as stored
-    ids = chat_ids(tok, "Translate into French: the cat sleeps on the warm stone by the river.")
-    res = model.generate(ids, max_new_tokens=48, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
-    assert torch.equal(res.sequences, base.generate(ids, max_new_tokens=48, do_sample=False))
-    assert res.stats.mean_accepted > 1.0  # some draft was accepted (measured here: 25 tokens in 24 steps, tau 1.04)
-    export_vllm(model.heads, base.lm_head.weight, tmp_path)
-    vcfg = check_vllm_export(tmp_path, base.lm_head.weight)
-    assert (vcfg["truncated_vocab_size"], vcfg["medusa_fc_bias"], vcfg["original_lm_head"]) == (4096, True, True)
-    hidden = base.model(ids).last_hidden_state[0].detach()  # (L, H): the states vLLM hands its drafter
-    drafts = vllm_drafts(tmp_path, hidden)
-    assert set(drafts.unique().tolist()) <= set(cfg.draft_vocab)
-    assert (drafts == model.heads.topk(hidden, 1)[..., 0].T).float().mean() > 0.98  # bf16 rounding may flip near-ties
