@@ -459,8 +459,15 @@ PLUGIN_ARCHITECTURE = "MedusaHeadsDraft"
 PLUGIN_FORMAT = 1
 
 
-def export_vllm_plugin(heads: MedusaHeads, base: PreTrainedModel, out: str | os.PathLike, base_name: str = "") -> Path:
-    """Write config.json + model.safetensors for the vLLM plugin (every head shape), then read them back."""
+def export_vllm_plugin(heads: MedusaHeads, base: PreTrainedModel, out: str | os.PathLike, base_name: str = "",
+                       root: str = "exact", draft_dtype: str | None = None) -> Path:
+    """Write config.json + model.safetensors for the vLLM plugin (every head shape), then read them back.
+    root: "exact" (the whole LM head finds the root token) or "draft" (its draft-vocabulary rows: cheaper, wrong where
+    the target's token is outside the draft vocabulary); draft_dtype: the heads' dtype in vLLM (None: the engine's)."""
+    if root not in ("exact", "draft"):
+        raise ValueError(f"root must be exact or draft, got {root!r}")
+    if draft_dtype not in (None, "bfloat16", "float16", "float32"):
+        raise ValueError(f"draft_dtype must be bfloat16, float16 or float32, got {draft_dtype!r}")
     cfg = heads.config
     lm = base.get_output_embeddings().weight.detach()
     embed = base.get_input_embeddings().weight.detach()
@@ -475,7 +482,7 @@ def export_vllm_plugin(heads: MedusaHeads, base: PreTrainedModel, out: str | os.
         state["draft_vocab"] = torch.tensor(cfg.draft_vocab, dtype=torch.long)
     spec = {"format": PLUGIN_FORMAT, "num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "mlp_size": cfg.mlp_size,
             "condition": cfg.condition, "own_lm_head": cfg.own_lm_head, "draft_vocab_size": cfg.draft_vocab_size,
-            "tied_embeddings": bool(tied)}
+            "tied_embeddings": bool(tied), "root": root, "draft_dtype": draft_dtype}
     config = {"model_type": "medusa", "architectures": [PLUGIN_ARCHITECTURE], "medusa_num_heads": cfg.num_heads,
               "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "truncated_vocab_size": cfg.vocab_size,
               "medusa_heads": spec, "base_model_name_or_path": base_name,

@@ -230,15 +230,18 @@ def run_check(args: argparse.Namespace) -> None:
 
 
 # The load table's contenders: name -> speculative_config (None: no speculation). "plugin" runs the export given
-# with --export (the shipped heads through vllm_plugin/), "plugin-2" the same with two draft tokens, "stock" a
+# with --export (the shipped heads through vllm_plugin/), "plugin-N" the same with N draft tokens, "stock" a
 # `--format vllm-stock` export (Medusa-1 heads on vLLM's own Medusa) given with --stock; ngram and suffix are vLLM's
 # own draft-free methods on the same prompts (suffix needs the arctic-inference package).
 def contenders(args: argparse.Namespace) -> dict[str, dict | None]:
-    found = {"none": None, "plugin": spec_config(args.export), "plugin-2": spec_config(args.export, 2),
+    found = {"none": None, "plugin": spec_config(args.export),
+             **{f"plugin-{n}": spec_config(args.export, n) for n in (3, 2, 1)},
              "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
              "suffix": {"method": "suffix", "num_speculative_tokens": 8}}
     if args.stock:
         found["stock"] = spec_config(args.stock)
+    if args.fast:
+        found |= {"fast": spec_config(args.fast), **{f"fast-{n}": spec_config(args.fast, n) for n in (3, 2, 1)}}
     return {k: v for k, v in found.items() if k in args.methods.split(",")}
 
 
@@ -341,7 +344,9 @@ def run_root_cost(args: argparse.Namespace) -> None:
 
 
 NAMES = {"none": "vLLM, no speculation", "plugin": "plugin, shipped heads, 4 tokens",
-         "plugin-2": "plugin, shipped heads, 2 tokens", "stock": "stock Medusa-1 (serving heads)",
+         **{f"plugin-{n}": f"plugin, shipped heads, {n} token{'s' * (n > 1)}" for n in (3, 2, 1)}, "stock": "stock Medusa-1 (serving heads)",
+         "fast": "plugin, draft root, bf16 heads, 4 tokens",
+         **{f"fast-{n}": f"plugin, draft root, bf16 heads, {n} token{'s' * (n > 1)}" for n in (3, 2, 1)},
          "ngram": "vLLM ngram (4 tokens)", "suffix": "vLLM suffix"}
 
 
@@ -381,7 +386,8 @@ def main() -> None:
     ld = sub.choices["load"]
     ld.add_argument("--repeats", type=int, default=2, help="passes over the contenders (the order reverses each pass)")
     ld.add_argument("--stock", default=None, help="a `--format vllm-stock` export, for vLLM's own Medusa")
-    ld.add_argument("--methods", default="none,plugin,plugin-2,stock,ngram,suffix", help="contenders (see contenders())")
+    ld.add_argument("--fast", default=None, help="a `--format vllm --root draft --draft-dtype bf16` export")
+    ld.add_argument("--methods", default="none,plugin,plugin-3,plugin-2,plugin-1,stock,ngram,suffix", help="contenders (see contenders())")
     ld.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16])
     args = p.parse_args()
     if args.cmd not in ("ours", "root-cost"):

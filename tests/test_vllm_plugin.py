@@ -124,3 +124,28 @@ def test_the_plugin_drafts_our_chain_with_the_shipped_heads(real_base, tmp_path)
     assert set(theirs.unique().tolist()) <= set(model.heads.config.draft_vocab)
     p = prompt.shape[1] - 1  # from the last prompt position on, head 1 guesses the answer's next-but-one token
     assert (theirs[p:-2, 0] == ids[0, p + 2:]).float().mean() > 0.15  # 0.26 measured
+
+
+def test_a_draft_root_in_bf16_drafts_our_chain_where_the_root_is_in_the_draft_vocabulary(tmp_path):
+    """root="draft": the root is the best draft-vocabulary row; where the target's own token is one of them the chain
+    is ours (bf16 heads: up to rounding at near-ties), elsewhere it starts from another root."""
+    base = tiny_model("llama")
+    vocab = list(range(0, 96, 2))  # half the tokens
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, num_heads=3, condition="path", mlp_size=48,
+                                                        draft_vocab=vocab, tree=[[0], [0, 0], [0, 0, 0]]))
+    export_vllm_plugin(model.heads, base, tmp_path, root="draft", draft_dtype="float32")
+    draft = plugin(tmp_path)
+    hidden = torch.randn(400, 32) * 3
+    with torch.no_grad():
+        ours = our_chain(model, hidden)
+        theirs = torch.stack([x.argmax(-1) for x in draft.full_vocab(draft.draft(hidden))], -1)
+        inside = torch.isin(base.lm_head(hidden).argmax(-1), torch.tensor(vocab))
+    assert 0.2 < inside.float().mean() < 0.8
+    assert torch.equal(theirs[inside], ours[inside])
+    assert not torch.equal(theirs[~inside], ours[~inside])  # the root matters: a test of it can fail
+    export_vllm_plugin(model.heads, base, tmp_path / "bf16", root="draft", draft_dtype="bfloat16")
+    draft = plugin(tmp_path / "bf16")
+    with torch.no_grad():
+        bf16 = torch.stack([x.argmax(-1) for x in draft.full_vocab(draft.draft(hidden))], -1)
+    assert draft.blocks[0][0].up.weight.dtype == torch.bfloat16
+    assert (bf16[inside] == ours[inside]).float().mean() > 0.9

@@ -273,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", choices=["vllm", "vllm-stock", "medusa"], default="medusa",
                    help="the layout to write: vllm (the plugin vllm_plugin/ serves any heads), vllm-stock (vLLM's "
                         "built-in Medusa: condition none, square blocks), medusa (the reference layout)")
+    e.add_argument("--root", choices=["exact", "draft"], default="exact",
+                   help="--format vllm: how the plugin finds the root token: the whole LM head (exact, the target's "
+                        "greedy token) or its draft-vocabulary rows (cheaper; wrong where the token is outside them)")
+    e.add_argument("--draft-dtype", choices=["engine", "bf16", "fp32"], default="engine",
+                   help="--format vllm: the heads' dtype inside vLLM (engine: vLLM's --dtype)")
     e.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
     e.add_argument("--allow-base-mismatch", action="store_true",
                    help="export heads trained for another base model of the same sizes")

@@ -569,7 +569,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     model = MedusaModel.from_pretrained(args.model, heads=args.heads_dir, prepack=False, draft_dtype=torch.float32,
                                         allow_base_mismatch=args.allow_base_mismatch)  # the weights as stored, fp32
     if args.format == "vllm":
-        out = export_vllm_plugin(model.heads, model.base_model, args.out, base_name=args.model)
+        out = export_vllm_plugin(model.heads, model.base_model, args.out, base_name=args.model, root=args.root,
+                                 draft_dtype={"fp32": "float32", "bf16": "bfloat16", "engine": None}[args.draft_dtype])
     else:
         export = export_vllm if args.format == "vllm-stock" else export_reference
         out = export(model.heads, model.target.lm_head.weight, args.out, base_name=args.model)

@@ -79,29 +79,45 @@ class DraftHeads(nn.Module):
         self.lm_heads = nn.ModuleList(nn.Linear(h, rows, bias=False) for _ in range(k)) if spec["own_lm_head"] else None
         # draft row -> token id; all ids when the heads draft over the whole vocabulary
         self.register_buffer("draft_vocab", torch.arange(rows) if rows == vocab_size else torch.zeros(rows, dtype=torch.long))
-        self._rows: torch.Tensor | None = None  # lm_head rows at draft_vocab, for shared scoring (set by loaded())
+        self._rows: torch.Tensor | None = None  # lm_head rows at draft_vocab in the draft dtype (set by loaded())
+        # "exact": the root is the argmax of the whole LM head in the engine's dtype (the target's own token for a
+        # greedy request); "draft": the argmax over the draft vocabulary's rows, in the draft dtype (a tenth of the
+        # bytes at 4,096 of 49,152 rows; wrong where the target's token lies outside the draft vocabulary)
+        self.root = spec.get("root", "exact")
+        if self.root not in ("exact", "draft"):
+            raise ValueError(f"medusa_heads.root must be exact or draft, got {self.root!r}")
+        names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, None: None}
+        if spec.get("draft_dtype") not in names:
+            raise ValueError(f"medusa_heads.draft_dtype must be one of bfloat16, float16, float32, got {spec['draft_dtype']!r}")
+        self.draft_dtype = names[spec.get("draft_dtype")]  # None: the engine's dtype
         self.heads = k  # how many of them draft (vLLM's num_speculative_tokens may ask for fewer)
 
     def slots(self, head: int) -> int:
         return {"none": 0, "root": 1, "path": head + 1}[self.condition]
 
     def loaded(self) -> None:
-        """After the weights are in: the shared LM head's draft rows, gathered once."""
-        if self.lm_heads is None:
-            lm = self.lm_head.weight.data
-            self._rows = lm if len(self.draft_vocab) == self.vocab_size else lm[self.draft_vocab]
+        """After the weights are in: the heads in the draft dtype, and the LM head's draft rows gathered once."""
+        dtype = self.draft_dtype or self.lm_head.weight.dtype
+        for part in (self.blocks, self.token_proj, self.lm_heads):
+            if part is not None:
+                part.to(dtype)
+        lm = self.lm_head.weight.data
+        self._rows = (lm if len(self.draft_vocab) == self.vocab_size else lm[self.draft_vocab]).to(dtype)
 
     def draft(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """(N, H) -> per head, (N, V') logits over the draft vocabulary; head k reads the tokens chosen above it."""
-        lm = self.lm_head.weight
-        h = hidden.to(lm.dtype)
-        if self._rows is None and self.lm_heads is None:
+        if self._rows is None:
             self.loaded()
+        lm = self.lm_head.weight
+        h = hidden.to(self._rows.dtype)
         context = []
         if self.condition != "none":
             embed = (self.lm_head if self.embed_tokens is None else self.embed_tokens).weight
-            root = (h @ lm.T).argmax(-1)
-            context.append(embed[root])
+            if self.root == "exact":
+                root = (hidden.to(lm.dtype) @ lm.T).argmax(-1)
+            else:
+                root = self.draft_vocab[(h @ self._rows.T).argmax(-1)]
+            context.append(embed[root].to(h.dtype))
         out = []
         for k in range(self.heads):
             x = h
@@ -111,7 +127,7 @@ class DraftHeads(nn.Module):
             logits = z @ self._rows.T if self.lm_heads is None else self.lm_heads[k](z)
             out.append(logits)
             if self.condition == "path" and k + 1 < self.heads:
-                context.append(embed[self.draft_vocab[logits.argmax(-1)]])
+                context.append(embed[self.draft_vocab[logits.argmax(-1)]].to(h.dtype))
         return out
 
     def full_vocab(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
