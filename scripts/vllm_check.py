@@ -336,7 +336,7 @@ def run_root_cost(args: argparse.Namespace) -> None:
     for r in rows:
         extra = f" {r['root_ms'] / step[r['rows']]:.1%} |" if step and r["rows"] in step else (" – |" if step else "")
         lines.append(f"| {r['rows']} | {r['root_ms']:.2f} | {r['draft_ms']:.2f} | {r['root_ms'] / r['draft_ms']:.0%} |" + extra)
-    out = ROOT / "results" / "vllm" / "root_cost.md"
+    out = Path(args.out)
     out.write_text(f"The plugin's root token (the target's LM head, {cfg['vocab_size']:,} × {cfg['hidden_size']}, over each "
                    f"request's hidden state), fp32, {args.threads} threads, median of {args.repeats} alternating timings; "
                    f"`{' '.join(sys.argv[1:])}`\n\n" + "\n".join(lines) + "\n")
@@ -374,6 +374,7 @@ def main() -> None:
     rc.add_argument("--export", required=True)
     rc.add_argument("--repeats", type=int, default=30)
     rc.add_argument("--threads", type=int, default=2)
+    rc.add_argument("--out", default=str(ROOT / "results" / "vllm" / "root_cost.md"))
     rc.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16])
     for s in (o, sub.add_parser("check"), sub.add_parser("load")):
         s.add_argument("--n", type=int, default=16)
