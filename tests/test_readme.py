@@ -53,9 +53,12 @@ def bash_lines(text: str) -> list[list[str]]:
 
 
 def training_commands() -> list[list[str]]:
-    """The `medusa-heads` commands of the README's training section, in order."""
+    """The step-by-step `medusa-heads` commands of the README's training section, in order. The section opens with
+    the one-command path, `fit` with a budget (tests/test_fit.py runs it end to end on tiny models)."""
     section = README.read_text().split("## Train heads for your own model", 1)[1].split("\n## ", 1)[0]
-    return bash_lines(section)
+    commands = bash_lines(section)
+    assert commands[0][0] == "fit" and "--budget" in commands[0] and "--out" in commands[0], commands[0]
+    return commands[1:]
 
 
 # What a test adds so that the README's commands run in a minute on a handful of prompts (acceptance and cost
