@@ -300,8 +300,8 @@ def run_load(args: argparse.Namespace) -> None:
 
 
 def run_root_cost(args: argparse.Namespace) -> None:
-    """What deriving the root token costs the plugin per step: the target's LM head over the rows' hidden states and
-    its argmax, beside the whole draft (every head), both timed alternately in this process (plain torch)."""
+    """What deriving the root token costs the plugin per step (the export's `root`: the target's whole LM head, or its
+    draft-vocabulary rows), beside the whole draft (every head), both timed alternately in this process (plain torch)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "vllm_plugin"))
@@ -312,7 +312,6 @@ def run_root_cost(args: argparse.Namespace) -> None:
     cfg = json.loads((Path(args.export) / "config.json").read_text())
     heads = DraftHeads(cfg["medusa_heads"], cfg["hidden_size"], cfg["vocab_size"])
     heads.load_state(load_file(Path(args.export) / "model.safetensors").items())
-    lm = heads.lm_head.weight
     rows = []
     with torch.no_grad():
         for n in args.concurrency:
@@ -321,7 +320,7 @@ def run_root_cost(args: argparse.Namespace) -> None:
             for i in range(args.repeats * 2 + 4):
                 for part in ("root", "draft") if i % 2 else ("draft", "root"):
                     t = time.perf_counter()
-                    (h @ lm.T).argmax(-1) if part == "root" else heads.draft(h)
+                    heads.root_token(h) if part == "root" else heads.draft(h)
                     times[part].append(time.perf_counter() - t)
             med = {k: 1000 * sorted(v[4:])[len(v[4:]) // 2] for k, v in times.items()}
             rows.append({"rows": n, "root_ms": round(med["root"], 3), "draft_ms": round(med["draft"], 3)})
@@ -331,14 +330,14 @@ def run_root_cost(args: argparse.Namespace) -> None:
     if load.is_file():
         plain = {r["concurrency"]: r["tokens_per_s"] for r in json.loads(load.read_text())["rows"] if r["method"] == "none"}
         step = {c: 1000 * c / tps for c, tps in plain.items()}  # ms a vLLM step takes at c requests, no speculation
-    lines = ["| rows (requests in the step) | root: LM head + argmax, ms | whole draft (root + 4 heads), ms | root / draft |"
+    lines = [f"| rows (requests in the step) | root ({heads.root}): LM head rows + argmax, ms | whole draft (root + 4 heads), ms | root / draft |"
              + (" root / a vLLM step without speculation |" if step else ""), "|---|---|---|---|" + ("---|" if step else "")]
     for r in rows:
         extra = f" {r['root_ms'] / step[r['rows']]:.1%} |" if step and r["rows"] in step else (" – |" if step else "")
         lines.append(f"| {r['rows']} | {r['root_ms']:.2f} | {r['draft_ms']:.2f} | {r['root_ms'] / r['draft_ms']:.0%} |" + extra)
     out = Path(args.out)
-    out.write_text(f"The plugin's root token (the target's LM head, {cfg['vocab_size']:,} × {cfg['hidden_size']}, over each "
-                   f"request's hidden state), fp32, {args.threads} threads, median of {args.repeats} alternating timings; "
+    out.write_text(f"The plugin's root token ({heads.root} root: the target's LM head, {len(heads._rows) if heads.root == 'draft' else cfg['vocab_size']:,} "
+                   f"× {cfg['hidden_size']} rows, over each request's hidden state), heads in {heads._rows.dtype}, engine fp32, {args.threads} threads, median of {args.repeats} alternating timings; "
                    f"`{' '.join(sys.argv[1:])}`\n\n" + "\n".join(lines) + "\n")
     print(out.read_text())
 

@@ -104,20 +104,24 @@ class DraftHeads(nn.Module):
         lm = self.lm_head.weight.data
         self._rows = (lm if len(self.draft_vocab) == self.vocab_size else lm[self.draft_vocab]).to(dtype)
 
+    def root_token(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, H) -> (N,) the root each row's chain starts from, as `root` says (exact or draft)."""
+        if self._rows is None:
+            self.loaded()
+        if self.root == "exact":
+            lm = self.lm_head.weight
+            return (hidden.to(lm.dtype) @ lm.T).argmax(-1)
+        return self.draft_vocab[(hidden.to(self._rows.dtype) @ self._rows.T).argmax(-1)]
+
     def draft(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """(N, H) -> per head, (N, V') logits over the draft vocabulary; head k reads the tokens chosen above it."""
         if self._rows is None:
             self.loaded()
-        lm = self.lm_head.weight
         h = hidden.to(self._rows.dtype)
         context = []
         if self.condition != "none":
             embed = (self.lm_head if self.embed_tokens is None else self.embed_tokens).weight
-            if self.root == "exact":
-                root = (hidden.to(lm.dtype) @ lm.T).argmax(-1)
-            else:
-                root = self.draft_vocab[(h @ self._rows.T).argmax(-1)]
-            context.append(embed[root].to(h.dtype))
+            context.append(embed[self.root_token(hidden)].to(h.dtype))
         out = []
         for k in range(self.heads):
             x = h
