@@ -94,15 +94,52 @@ def test_fit_end_to_end(tmp_path, prompts, arch, kw):
     assert (tmp_path / "heads" / "fit_state.json").read_text() == before
 
 
-def test_resume_after_each_phase_gives_the_same_heads(tmp_path, prompts):
+def test_kill_9_in_each_phase_then_rerun_gives_the_same_heads(tmp_path, prompts):
+    """The command line, killed with SIGKILL inside each phase in turn (after distill's first batch, train's first
+    checkpoint, calibrate's files, the bench), rerun each time: the heads and answers of one run that was not."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
     _model(tmp_path / "model", "llama")
-    _fit(tmp_path / "model", tmp_path / "whole", prompts)
-    for phase in ("distill", "train", "calibrate"):
-        _fit(tmp_path / "model", tmp_path / "parts", prompts, stop_after=phase)
-        assert json.loads((tmp_path / "parts" / "fit_state.json").read_text())["done"].keys() >= {phase}
-    _fit(tmp_path / "model", tmp_path / "parts", prompts)
+    argv = [sys.executable, "-m", "medusa_heads.cli", "fit", "--model", str(tmp_path / "model"), "--budget", "5m",
+            "--prompts", str(prompts / "train.jsonl"), "--bench-prompts", str(prompts / "bench.jsonl"),
+            "--max-answers", "24", "--max-steps", "8", "--threads", "1"]
+
+    def run(out, kill_at=None):
+        env = {**os.environ, "MEDUSA_HEADS_KILL_AT": kill_at or ""}
+        return subprocess.run(argv + ["--out", str(out)], env=env, capture_output=True, text=True).returncode
+
+    assert run(tmp_path / "whole") == 0
+    for phase in ("distill", "train", "calibrate", "bench"):
+        assert run(tmp_path / "killed", phase) == -signal.SIGKILL, phase
+        state = json.loads((tmp_path / "killed" / "fit_state.json").read_text())
+        assert phase not in state["done"], phase  # killed inside it
+    assert run(tmp_path / "killed") == 0
     for name in ("heads.safetensors", "distilled.jsonl", "distilled_t07.jsonl"):
-        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "parts" / name).read_bytes(), name
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "killed" / name).read_bytes(), name
+    assert json.loads((tmp_path / "killed" / "report.json").read_text())["bench"]["differ"] == 0
+
+
+def test_train_deadline_stops_at_the_step_it_is_on(tmp_path, prompts):
+    """A deadline already passed: one step, evaluated and saved as the last; the heads load."""
+    import time
+
+    from medusa_heads.training.recipe import TrainRecipe
+    from medusa_heads.training.trainer import train
+
+    base = _model(tmp_path / "model", "llama")
+    fit(str(tmp_path / "model"), 120, tmp_path / "d", prompts=[str(prompts / "train.jsonl")],
+        bench_files=[str(prompts / "bench.jsonl")], bench_prompts=str(prompts / "bench.jsonl"), max_answers=24,
+        stop_after="distill", log=lambda m: None)
+    recipe = TrainRecipe(model=str(tmp_path / "model"), data=str(tmp_path / "d" / "distilled.jsonl"),
+                         features=str(tmp_path / "d" / "features"), out=str(tmp_path / "h"), max_steps=50,
+                         eval_every=10, save_every=10, num_heads=2, batch_size=64)
+    train(recipe, deadline=time.time() - 1)
+    log = [json.loads(line) for line in (tmp_path / "h" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "eval"] == [1]
+    MedusaModel.from_pretrained(base, heads=str(tmp_path / "h"))
 
 
 @pytest.mark.parametrize("argv,says", [

@@ -15,8 +15,13 @@ from pathlib import Path
 from medusa_heads.corpus import PromptRow, as_variant, is_eval, read_prompts, subsample
 
 PHASES = ("distill", "train", "calibrate", "bench")
-# Each phase's share of the budget left after loading; a phase that ends early leaves its time to the next.
-SHARES = {"distill": 0.45, "train": 0.33, "calibrate": 0.10, "bench": 0.12}
+# Calibrate and bench cost about a fixed time, measured in the target's generate seconds a token (per_token, timed
+# after loading); distill and train share the rest, DISTILL_SHARE to distill. Train's steps are sized when it starts,
+# from what is left then, so it takes up what distill's estimate missed; each phase also has a deadline.
+DISTILL_SHARE = 0.58  # distill : train = 0.45 : 0.33, the split of the 1-hour run (results/fit/1h)
+CALIBRATE_TOKENS = 1800  # calibrate took 96-98 s on SmolLM2 at 1 thread, ~1,800 × its 54 ms a token (results/fit)
+BENCH_FACTOR = 1.8  # a bench prompt: generate + ours = (1 + 1 / speed-up) × its tokens × per_token (1h: 107 s for 21)
+BENCH_SHARE = 0.10  # the bench's prompts: as many as 10% of the budget buys, at least 2, at most the file's
 SAMPLED_SHARE = 0.44  # of the answers sampled at T 0.7: the shipped heads' mix (stage 4: 5,284 of 11,927 answers)
 SAMPLED_VARIANT = "t07"
 MIN_STEPS = 20
@@ -126,29 +131,73 @@ class Clock:
     def spent(self) -> float:
         return self.before + time.time() - self.t0
 
+    def at(self, spent: float) -> float:
+        """The wall time at which the budget clock reads `spent`."""
+        return self.t0 + spent - self.before
+
     def left(self) -> float:
         return self.budget - self.spent()
 
 
 def plan_text(state: dict, clock: Clock) -> str:
-    lines = [f"fit: budget {clock.budget / 60:.1f} min, {clock.spent() / 60:.1f} min spent"]
+    """Each phase: done (how long it took) or its estimate from the plan."""
+    plan, done = state["plan"], state["done"]
     left = max(clock.left(), 0)
-    todo = [p for p in PHASES if p not in state.get("done", {})]
-    total = sum(SHARES[p] for p in todo) or 1
+    cal_bench = sum(plan[k] for k in ("calibrate_s", "bench_s") if "calibrate" not in done or k == "bench_s")
+    distill = max(plan["distill_by"] - clock.spent(), 0) if "distill" not in done else 0
+    est = {"distill": distill, "train": max(left - distill - cal_bench, 0), "calibrate": plan["calibrate_s"],
+           "bench": plan["bench_s"]}
+    lines = [f"fit: budget {clock.budget / 60:.1f} min, {clock.spent() / 60:.1f} min spent "
+             f"(the target generates {1 / plan['per_token']:.1f} tokens/s here)"]
     for p in PHASES:
-        done = state.get("done", {}).get(p)
-        what = f"done in {done['seconds']:.0f} s" if done else f"~{left * SHARES[p] / total:.0f} s"
+        what = f"done in {done[p]['seconds']:.0f} s" if p in done else f"~{est[p] / 60:.1f} min"
         lines.append(f"  {p:<10} {what}")
     return "\n".join(lines)
+
+
+def make_plan(base, tok, budget_s: float, spent: float, bench_prompts: str) -> dict:
+    """Time the target's generate once; from it the fixed phases' estimates and distill's end (in budget seconds)."""
+    import torch
+
+    from medusa_heads.corpus import read_prompts
+    from medusa_heads.prompting import prompt_ids
+
+    rows = read_prompts(bench_prompts)
+    ids = prompt_ids(tok, rows[0].turns[0])
+    with torch.no_grad():
+        base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)  # warm-up
+        s = time.time()
+        base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    per_token = (time.time() - s) / 16
+    per_prompt = BENCH_FACTOR * BENCH_TOKENS * per_token
+    n_bench = max(2, min(len(rows), int(BENCH_SHARE * budget_s / per_prompt)))
+    calibrate_s, bench_s = CALIBRATE_TOKENS * per_token, n_bench * per_prompt
+    spent = spent + time.time() - s
+    free = max(budget_s - spent - calibrate_s - bench_s, 0)
+    return {"per_token": per_token, "calibrate_s": calibrate_s, "bench_prompts": n_bench, "bench_s": bench_s,
+            "distill_by": spent + DISTILL_SHARE * free}
+
+
+def process_start() -> float:
+    """When this process started (Linux: /proc), else now: the budget counts Python's start and imports too."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return min(boot + ticks / os.sysconf("SC_CLK_TCK"), time.time())
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 
 def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, force_cost: bool = False,
         prompts: list[str] | None = None, bench_prompts: str = "data/bench_prompts.jsonl",
         bench_files: list[str] | None = None, max_answers: int = 0, max_steps: int = 0,
-        stop_after: str | None = None, log=print) -> dict:
+        stop_after: str | None = None, started: float | None = None, log=print) -> dict:
     """Run (or continue) every phase not yet done in `out`; returns the report. max_answers / max_steps > 0 cap
-    what the budget would buy (tests, or a smaller run); stop_after ends after that phase (a test hook)."""
+    what the budget would buy (tests, or a smaller run); stop_after ends after that phase (a test hook); started:
+    when the budget's clock started (default: now)."""
     from medusa_heads.loading import load_base, load_tokenizer
+    from medusa_heads.training.loop import crash_point
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,43 +209,59 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
     state.setdefault("budget_s", budget_s)
     state.setdefault("done", {})
     clock = Clock(state["budget_s"], state.get("spent_s", 0.0))
+    if started is not None:
+        clock.t0 = min(started, clock.t0)
     if all(p in state["done"] for p in PHASES):
         log(f"fit: every phase is done in {out}; the report is {out / 'report.md'}")
         return json.loads((out / "report.json").read_text())
-    log(plan_text(state, clock))
+    log(f"fit: {model} into {out}, budget {state['budget_s'] / 60:.1f} min ({clock.spent() / 60:.1f} spent): "
+        "loading the model, then a plan")
     base, tok = load_base(model), load_tokenizer(model)
     h, v = base.config.hidden_size, base.get_output_embeddings().weight.shape[0]
-    if "rules" not in state:
-        state["rules"] = choose_recipe(h, v, state["budget_s"])
-        state["params"] = sum(p.numel() for p in base.parameters())
-        write_state(out, state)
 
-    def finish(phase: str, t0: float, **info) -> None:
-        state["done"][phase] = {"seconds": time.time() - t0, **info}
+    def save() -> None:  # the state, with the time spent so far (a kill loses at most the time since)
         state["spent_s"] = clock.spent()
         write_state(out, state)
 
-    def share(phase: str) -> float:
-        todo = [p for p in PHASES if p not in state["done"]]
-        return max(clock.left(), 0) * SHARES[phase] / sum(SHARES[p] for p in todo)
+    if "plan" not in state:
+        state["rules"] = choose_recipe(h, v, state["budget_s"])
+        state["params"] = sum(p.numel() for p in base.parameters())
+        state["plan"] = make_plan(base, tok, state["budget_s"], clock.spent(), bench_prompts)
+        save()
+    log(plan_text(state, clock))
+    plan = state["plan"]
+
+    def finish(phase: str, t0: float, **info) -> None:
+        state["done"][phase] = {"seconds": time.time() - t0, **info}
+        save()
 
     fraction = state["rules"]["recipe"]["eval_fraction"]
     data = [out / "distilled.jsonl", out / f"distilled_{SAMPLED_VARIANT}.jsonl"]
+    fixed = plan["calibrate_s"] + plan["bench_s"]
     for phase in PHASES:
         if phase in state["done"]:
             continue
         t0 = time.time()
-        log(f"fit: {phase} (~{share(phase):.0f} s of {max(clock.left(), 0):.0f} s left)")
         if phase == "distill":
-            finish(phase, t0, **_distill(base, tok, state, out, data, share(phase), fraction, prompts, bench_files,
-                                         max_answers, log, lambda: write_state(out, state)))
+            seconds = max(plan["distill_by"] - clock.spent(), 0)
+            log(f"fit: distill, ~{seconds / 60:.1f} min")
+            finish(phase, t0, **_distill(base, tok, state, out, data, seconds, fraction, prompts, bench_files,
+                                         max_answers, log, save))
         elif phase == "train":
-            finish(phase, t0, **_train(base, state, out, data, share(phase), max_steps, log,
-                                       lambda: write_state(out, state)))
+            seconds = max(clock.left() - fixed, 0)
+            log(f"fit: train, ~{seconds / 60:.1f} min")
+            finish(phase, t0, **_train(base, state, out, data, seconds, clock.at(state["budget_s"] - fixed),
+                                       max_steps, log, save))
         elif phase == "calibrate":
-            finish(phase, t0, **_calibrate(base, tok, state, out, data, force_cost, log))
+            log(f"fit: calibrate, ~{plan['calibrate_s'] / 60:.1f} min")
+            info = _calibrate(base, tok, state, out, data, force_cost, log)
+            crash_point("calibrate")  # calibrated, not yet marked done
+            finish(phase, t0, **info)
         else:
-            finish(phase, t0, **_bench(base, tok, state, out, share(phase), bench_prompts, log))
+            log(f"fit: bench, ~{min(plan['bench_s'], max(clock.left(), 0)) / 60:.1f} min")
+            info = _bench(base, tok, state, out, clock.left(), bench_prompts, log)
+            crash_point("bench")
+            finish(phase, t0, **info)
         if phase == stop_after:
             return {}
     report = write_report(state, out)
@@ -210,6 +275,7 @@ def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_file
     from medusa_heads.default_model import DEFAULT_MODEL
     from medusa_heads.prompting import has_chat_template
     from medusa_heads.training.distill import distill
+    from medusa_heads.training.loop import crash_point
 
     t0 = time.time()
     files = prompts or ["data/train_prompts.jsonl.gz"]
@@ -249,6 +315,8 @@ def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_file
                 stopped = True
                 break
             distill(base, tok, rows[: i + batch], path, **kw, **extra)  # the rows before are done: skipped
+            save()  # the time spent
+            crash_point("distill")
     if stopped:
         log(f"fit: distill stopped at its deadline, {time.time() - t0:.0f} s")
     from medusa_heads.corpus import read_conversations
@@ -257,8 +325,9 @@ def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_file
             "stopped_at_deadline": stopped}
 
 
-def _train(base, state, out, data, seconds, max_steps, log, save) -> dict:
-    """Steps as many as the phase's time buys at one timed step (measured on the heads themselves)."""
+def _train(base, state, out, data, seconds, deadline, max_steps, log, save) -> dict:
+    """Steps as many as the phase's time buys at one timed step (measured on the heads themselves); past the
+    deadline (wall time) training stops at the step it is on, with a final evaluation and the heads saved."""
     from medusa_heads.training.recipe import TrainRecipe
     from medusa_heads.training.trainer import train
 
@@ -275,11 +344,12 @@ def _train(base, state, out, data, seconds, max_steps, log, save) -> dict:
     recipe = TrainRecipe(model=state["model"], data=",".join(files), features=str(out / "features"), out=str(out),
                          max_steps=n, warmup_steps=max(1, min(50, n // 10)), eval_every=max(1, n // 4),
                          save_every=max(1, n // 4), seed=state["seed"], **rules)
-    train(recipe, resume=True)
+    train(recipe, resume=True, deadline=deadline)
     log_rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
     data_row = next(r for r in log_rows if r["kind"] == "data")
     final = [r for r in log_rows if r["kind"] == "eval"][-1]
-    return {"steps": n, "train_tokens": data_row["train_tokens"], "eval_tokens": data_row["eval_tokens"],
+    steps = max(r["step"] for r in log_rows if r["kind"] == "eval")
+    return {"steps": steps, "planned_steps": n, "train_tokens": data_row["train_tokens"], "eval_tokens": data_row["eval_tokens"],
             "top1": [final[f"top1_{k + 1}"] for k in range(rules["num_heads"])]}
 
 
@@ -344,23 +414,16 @@ def _calibrate(base, tok, state, out, data, force_cost, log) -> dict:
 
 
 def _bench(base, tok, state, out, seconds, bench_prompts, log) -> dict:
-    """A short bench against generate on held-out prompts: as many as the phase's time buys (at least 2)."""
-    import torch
-
+    """A short bench against generate on held-out prompts: the plan's number, fewer if less time is left."""
     from medusa_heads.cli.bench import run_bench
     from medusa_heads.corpus import read_prompts
     from medusa_heads.model import MedusaModel
-    from medusa_heads.prompting import prompt_ids
 
     model = MedusaModel.from_pretrained(base, heads=str(out))
     rows = read_prompts(bench_prompts)
-    if "bench_prompts" not in state:
-        ids = prompt_ids(tok, rows[0].turns[0])
-        s = time.time()
-        with torch.no_grad():
-            base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
-        per_token = (time.time() - s) / 16
-        state["bench_prompts"] = max(2, min(len(rows), int(seconds / (2.2 * BENCH_TOKENS * per_token))))
+    if "bench_prompts" not in state:  # the plan's, fewer where less time is left (at least 2)
+        per_prompt = state["plan"]["bench_s"] / state["plan"]["bench_prompts"]
+        state["bench_prompts"] = max(2, min(state["plan"]["bench_prompts"], int(seconds / per_prompt)))
     result = run_bench(model, tok, rows[: state["bench_prompts"]], ["hf", "medusa"], BENCH_TOKENS)
     m = result["overall"]["medusa"]
     return {"prompts": state["bench_prompts"], "tau": m["mean_accepted"], "speedup": m["speedup_vs_hf"],
@@ -399,4 +462,4 @@ def write_report(state: dict, out: Path) -> dict:
     return report
 
 
-__all__ = ["PHASES", "choose_recipe", "fit", "parse_budget", "plan_text", "training_prompts"]
+__all__ = ["PHASES", "choose_recipe", "fit", "make_plan", "parse_budget", "plan_text", "process_start", "training_prompts"]

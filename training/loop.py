@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import shutil
 import time
 from collections import Counter
@@ -241,9 +242,17 @@ class Job:
     finish: Callable[[Path], None] = lambda out: None  # write what else the output holds (an adapter)
 
 
-def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Path, bool], Job]) -> Path:
+def crash_point(name: str) -> None:
+    """Fault injection for the kill -9 tests: with MEDUSA_HEADS_KILL_AT=name the process kills itself here, with
+    SIGKILL, as `kill -9` would (no cleanup, no flush)."""
+    if os.environ.get("MEDUSA_HEADS_KILL_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Path, bool], Job],
+        deadline: float | None = None) -> Path:
     """Train per the recipe; setup(conversations, accelerator, checkpoint folder, resume from it) builds the job.
-    Returns the heads directory."""
+    Returns the heads directory. Past `deadline` (time.time(); one process only) the step it is on is the last."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -254,6 +263,8 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
     # each run sets its own (the process group, PartialState, stays as launched)
     AcceleratorState._reset_state()
     accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum)
+    if deadline is not None and accelerator.num_processes > 1:
+        raise ValueError("a training deadline needs one process (the processes would stop at different steps)")
     job = setup(convs, accelerator, ckpt, resume and ckpt.exists())
     main, step, log_path = accelerator.is_main_process, job.step, out / "train_log.jsonl"
 
@@ -269,7 +280,8 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
             log({"kind": "eval", "step": 0, **job.evaluate()})
     bar = tqdm(total=recipe.max_steps, initial=step, desc="train", disable=not main)
     t0, last_eval = time.time(), None  # the evaluation at max_steps is the final one too
-    while step < recipe.max_steps:
+    last = recipe.max_steps
+    while step < last:
         epoch, pos = divmod(step * recipe.grad_accum, job.steps_per_epoch)
         for micro in range(recipe.grad_accum):
             batch = job.batch(epoch, (pos + micro) % job.steps_per_epoch)
@@ -282,17 +294,21 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
                 job.scheduler.step()
                 job.optimizer.zero_grad()
         step += 1
+        if deadline is not None and time.time() > deadline and step < last:
+            accelerator.print(f"train: the deadline has passed: step {step} of {recipe.max_steps} is the last")
+            last = step
         last_loss = float(loss.detach())
         bar.update(1)
         bar.set_postfix(loss=f"{last_loss:.3f}", **{k: f"{v:.4f}" for k, v in parts.items()})
-        if main and (step % recipe.eval_every == 0 or step == recipe.max_steps):
+        if main and (step % recipe.eval_every == 0 or step == last):
             last_eval = job.evaluate()
             log({"kind": "train", "step": step, "loss": last_loss, "lr": job.scheduler.get_last_lr()[0], **parts,
                  "seconds": time.time() - t0}, {"kind": "eval", "step": step, **last_eval})
             plot_log(log_path, out / "train_plot.png")
             accelerator.print(f"step {step}: " + " ".join(f"head{i + 1} top1 {last_eval[f'top1_{i + 1}']:.3f}" for i in range(recipe.num_heads)))
-        if main and (step % recipe.save_every == 0 or step == recipe.max_steps):
+        if main and (step % recipe.save_every == 0 or step == last):
             job.save(step)
+            crash_point("train")
         accelerator.wait_for_everyone()
     bar.close()
     if main:

@@ -532,7 +532,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
-    from medusa_heads.training.fit import fit, parse_budget
+    from medusa_heads.training.fit import fit, parse_budget, process_start
 
     budget = parse_budget(args.budget)
     if Path(args.out).exists() and not Path(args.out).is_dir():
@@ -548,7 +548,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     fit(args.model, budget, args.out, seed=args.seed, force_cost=args.force_cost, prompts=prompts,
         bench_prompts=args.bench_prompts, max_answers=args.max_answers or 0, max_steps=args.max_steps or 0,
-        stop_after=args.stop_after, log=lambda m: print(m, file=sys.stderr))
+        stop_after=args.stop_after, started=process_start(), log=lambda m: print(m, file=sys.stderr))
 
 
 def cmd_export(args: argparse.Namespace) -> None:
