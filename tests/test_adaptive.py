@@ -79,7 +79,7 @@ def test_the_steps_fit_keeps_the_kernels_row_blocks_and_smooths_noise_into_no_fr
 
 
 def test_the_measured_fit_charges_each_size_its_own_time_and_a_tree_grows_to_a_cheaper_size():
-    # MKL's fp32 GEMM on an AVX-512 EPYC, 256 cached tokens (results/round22): 3 and 7 rows cost more than 4 and 8
+    # MKL's fp32 GEMM on an AVX-512 EPYC, 256 cached tokens (3e4d292:results/round22): 3 and 7 rows cost more than 4 and 8
     ms = (61.0, 102.0, 127.0, 89.0, 92.0, 104.0, 124.0, 96.0)
     cost = CostModel(contexts=(256, 1024), sizes=tuple(range(1, 9)), ms=(ms, tuple(m + 10 for m in ms)), fit="measured")
     assert cost.verify_ms(256).tolist() == pytest.approx(ms)
