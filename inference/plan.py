@@ -101,6 +101,8 @@ def make_plan(model: "MedusaModel", gc: GenerationConfig, *, rows: int, prompt_l
         drafter = model.adaptive_drafter(lookup or 0, ngram, rows=rows, greedy=greedy)
         return DecodePlan(drafter, from_parents((-1,), device), rule, processors, greedy, ADAPTIVE, cost.max_size)
     if tree == PLAIN:
+        if drafter is not None:
+            raise ValueError('tree="plain" drafts nothing, so the drafter= given would not run: pass one of them')
         buffers, drafter, label = from_parents((-1,), device), PlainDrafter(), PLAIN
     else:
         buffers, label = tree_buffers(tree, device), f"fixed, {tree.num_nodes} nodes"

@@ -16,6 +16,7 @@ many outputs equal generate's; writes the same table as Markdown to --out."""
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -48,6 +49,7 @@ def main() -> None:
                    help="one per heads directory: each runs on a copy of the target prepacked for that many rows, "
                         "against generate on that copy (the heads' cost model should be measured there)")
     p.add_argument("--out", default=None, help="Markdown file for the table")
+    p.add_argument("--json", default=None, help="JSON file for the overall row: each heads' speed-up, tau, identical")
     args = p.parse_args()
     if len(args.heads) < 2 or len(set(args.heads)) < len(args.heads):
         p.error(f"--heads takes two or more different directories, got {args.heads}")
@@ -120,6 +122,12 @@ def main() -> None:
             cells.append(", ".join(f"{acc[(key, w)]['same']}/{acc[(key, w)]['prompts']}" for w in args.heads))
         lines.append("| " + " | ".join(cells) + " |")
     emit(lines, args.out)
+    if args.json:
+        tps = {who: acc[("overall", who)]["tokens"] / acc[("overall", who)]["seconds"] for who in contenders}
+        Path(args.json).write_text(json.dumps({"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "heads": {
+            w: {"speedup": tps[w] / tps[baseline[w]], "tau": sum(acc[("overall", w)]["taus"]) / len(acc[("overall", w)]["taus"]),
+                "identical": acc[("overall", w)]["same"], "prompts": acc[("overall", w)]["prompts"]}
+            for w in args.heads}}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

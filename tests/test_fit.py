@@ -52,9 +52,10 @@ def _model(folder, arch: str, chat: bool = False, **kw):
     return base
 
 
-def _fit(model_dir, out, prompts, **kw):
-    return fit(str(model_dir), 120, out, prompts=[str(prompts / "train.jsonl")], bench_files=[str(prompts / "bench.jsonl")],
-               bench_prompts=str(prompts / "bench.jsonl"), max_answers=24, max_steps=8, log=lambda m: None, **kw)
+def _fit(model_dir, out, folder, **kw):
+    kw = {"prompts": [str(folder / "train.jsonl")], **kw}
+    return fit(str(model_dir), 120, out, bench_files=[str(folder / "bench.jsonl")],
+               bench_prompts=str(folder / "bench.jsonl"), max_answers=24, max_steps=8, log=lambda m: None, **kw)
 
 
 def test_budget_and_rules():
@@ -76,11 +77,14 @@ def test_prompts_decontaminated(prompts):
     ("phi3", {"tie_word_embeddings": True}),
     ("mistral", {"num_key_value_heads": 4}),  # no GQA
     ("qwen3", {"vocab_size": 150_016, "tie_word_embeddings": True}),  # a large vocabulary
-    ("gemma2", {"chat": True}),  # a chat template
+    ("gemma2", {"chat": True}),  # a chat template: the repository's prompts and some it writes itself
 ])
 def test_fit_end_to_end(tmp_path, prompts, arch, kw):
     base = _model(tmp_path / "model", arch, **kw)
-    report = _fit(tmp_path / "model", tmp_path / "heads", prompts)
+    report = _fit(tmp_path / "model", tmp_path / "heads", prompts, **({"prompts": None} if kw.get("chat") else {}))
+    answers = json.loads((tmp_path / "heads" / "fit_state.json").read_text())["answers"]
+    assert (answers["self_prompts"] > 0) == bool(kw.get("chat"))
+    assert (tmp_path / "heads" / "self_prompts.jsonl.gz").is_file() == bool(kw.get("chat"))
     for key in ("answers", "train_tokens", "steps", "held_out_top1", "bench", "phases_s", "spent_s"):
         assert key in report
     assert report["bench"]["differ"] == 0 and report["steps"] == 8
@@ -90,8 +94,10 @@ def test_fit_end_to_end(tmp_path, prompts, arch, kw):
     ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=24), ref)
     before = (tmp_path / "heads" / "fit_state.json").read_text()
-    _fit(tmp_path / "model", tmp_path / "heads", prompts)  # done: no work
+    _fit(tmp_path / "model", tmp_path / "heads", prompts, prompts=None)  # done: no work
     assert (tmp_path / "heads" / "fit_state.json").read_text() == before
+    with pytest.raises(ValueError, match="started with --seed 0: rerun with that"):
+        _fit(tmp_path / "model", tmp_path / "heads", prompts, seed=1)
 
 
 def test_kill_9_in_each_phase_then_rerun_gives_the_same_heads(tmp_path, prompts):

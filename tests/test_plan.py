@@ -11,7 +11,7 @@ import torch
 from medusa_heads import MedusaModel
 from medusa_heads.inference.adaptive import DraftObserver
 from medusa_heads.inference.batch import pad_trees
-from medusa_heads.inference.propose import Draft
+from medusa_heads.inference.propose import Draft, HeadsDrafter
 from medusa_heads.tree import TreeSpec
 from medusa_heads.tree.buffers import build_buffers, chain, from_parents, with_chain
 
@@ -62,6 +62,8 @@ def test_a_tree_the_heads_cannot_draft_or_an_uncalibrated_adaptive_tree_is_refus
     with pytest.raises(ValueError):
         model.generate(ids, max_new_tokens=4, tree="chain-4")  # 4 deep, 2 heads
     assert torch.equal(model.generate(ids, max_new_tokens=4, tree="plain"), _reference(model.base_model, ids, 4))
+    with pytest.raises(ValueError, match='tree="plain" drafts nothing'):  # the drafter would be dropped unseen
+        model.generate(ids, max_new_tokens=4, tree="plain", drafter=HeadsDrafter(model.heads))
 
 
 def test_threads_with_different_trees_on_one_model_each_get_the_targets_output():

@@ -32,6 +32,7 @@ def distill(
     seed: int = 0,
     features: str | os.PathLike | None = None,
     reuse: dict[str, list[dict]] | None = None,
+    progress: bool = True,
 ) -> dict:
     """Answer every row not yet in `out` and append one conversation per row. Rows are batched with left padding
     (by length, to waste little); with `medusa` (a MedusaModel) rows are drafted one by one with its heads.
@@ -39,7 +40,8 @@ def distill(
     from the generation itself (no second pass over the data). With `reuse` (prompt id -> the messages of an earlier
     distillation of that prompt, see reusable_answers), a turn whose user turns so far are the earlier
     conversation's takes its answer from there instead of generating it again, marked "reused" (training counts
-    it once, from the earlier data; no features are written for it). Returns counts: done before, written now,
+    it once, from the earlier data; no features are written for it). progress=False: no progress bar (a caller
+    that shows its own). Returns counts: done before, written now,
     answers reused, skipped (prompt too long)."""
     vocab = model.get_output_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
@@ -57,7 +59,7 @@ def distill(
     # still covers the (shuffled) input evenly.
     window = 16 * batch_size
     todo = [r for i in range(0, len(todo), window) for r in sorted(todo[i : i + window], key=lambda r: len(r.turns[0]))]
-    bar = tqdm(total=len(todo), desc="distill", unit="prompt")
+    bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress)
     special = not has_chat_template(tokenizer)  # a template writes its own BOS; plain text needs the tokenizer's
     eos = set(eos_ids(tokenizer, model.generation_config))
     for group in batches(todo, 1 if medusa is not None else batch_size):
