@@ -96,16 +96,18 @@ def _norm(text: str) -> str:
     return " ".join(text.lower().split())
 
 
+def bench_prompt_keys(bench_files: list[str]) -> tuple[set[str], set[str]]:
+    """The ids and the normalised turn texts of every prompt in the bench files: what training must not see."""
+    rows = [r for f in bench_files for r in read_prompts(f)]
+    return {r.id for r in rows}, {_norm(t) for r in rows for t in r.turns}
+
+
 def training_prompts(prompts: list[str], bench_files: list[str], seed: int) -> list[PromptRow]:
     """The prompts of `prompts` files, less every one whose id or any turn's text is in a bench file, shuffled
     (seeded) together."""
     import random
 
-    bench_ids, bench_text = set(), set()
-    for f in bench_files:
-        for r in read_prompts(f):
-            bench_ids.add(r.id)
-            bench_text.update(_norm(t) for t in r.turns)
+    bench_ids, bench_text = bench_prompt_keys(bench_files)
     rows = [r for f in prompts for r in read_prompts(f)
             if r.id not in bench_ids and not any(_norm(t) in bench_text for t in r.turns)]
     random.Random(seed).shuffle(rows)
@@ -163,9 +165,9 @@ def make_plan(base, tok, budget_s: float, spent: float, bench_prompts: str) -> d
     """Time the target's generate once; from it the fixed phases' estimates and distill's end (in budget seconds)."""
     import torch
 
-    from medusa_heads.corpus import read_prompts
     from medusa_heads.prompting import prompt_ids
 
+    start = time.time()
     rows = read_prompts(bench_prompts)
     ids = prompt_ids(tok, rows[0].turns[0])
     with torch.no_grad():
@@ -178,7 +180,7 @@ def make_plan(base, tok, budget_s: float, spent: float, bench_prompts: str) -> d
     per_prompt = BENCH_FACTOR * BENCH_TOKENS * per_token
     n_bench = max(2, min(len(rows), int(BENCH_SHARE * budget_s / per_prompt)))
     calibrate_s, bench_s = CALIBRATE_TOKENS * per_token, n_bench * per_prompt
-    spent = spent + time.time() - s
+    spent = spent + time.time() - start
     free = max(budget_s - spent - calibrate_s - bench_s, 0)
     return {"per_token": per_token, "calibrate_s": calibrate_s, "bench_prompts": n_bench, "bench_s": bench_s,
             "distill_by": spent + DISTILL_SHARE * free}
@@ -329,10 +331,9 @@ def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_file
         own = write_self_prompts(base, tok, out / "self_prompts.jsonl.gz", a["self_prompts"], exclude=bench,
                                  batch_size=batch, max_new_tokens=SELF_PROMPT_TOKENS, seed=state["seed"],
                                  max_batches=2 * -(-a["self_prompts"] // batch) + 2)
-        known = {_norm(t) for f in bench for r in read_prompts(f) for t in r.turns}
+        known = bench_prompt_keys(bench)[1]
         own = [r for r in own if _norm(r.turns[0]) not in known]
         pool = pool[: a["timed"]] + own + pool[a["timed"]:]
-    a = state["answers"]
     deadline = t0 + 1.1 * seconds  # an estimate that was off stops the phase here, not the budget's end
     greedy = take(pool, a["greedy"], fraction)
     sampled = as_variant(take(pool, a["sampled"], fraction), SAMPLED_VARIANT) if a["sampled"] else []
