@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import tiny_model
 from medusa_heads.model import MedusaModel
-from medusa_heads.training.fit import choose_recipe, fit, parse_budget, training_prompts
+from medusa_heads.training.fit import Clock, choose_recipe, fit, parse_budget, plan_text, training_prompts
 
 WORDS = [f"w{i}" for i in range(94)]
 
@@ -160,3 +160,12 @@ def test_cli_refuses_before_loading(monkeypatch, capsys, argv, says):
     with pytest.raises(SystemExit) as e:
         main(["fit", *argv])
     assert e.value.code != 0 and says in str(e.value.code)
+
+
+def test_plan_says_up_front_when_the_fixed_phases_overrun_the_budget():
+    """A target too slow for the budget (another job on the machine, a bigger model) is said before the long work."""
+    state = {"plan": {"per_token": 0.9, "calibrate_s": 1650.0, "bench_s": 211.0, "distill_by": 55.0}, "done": {}}
+    text = plan_text(state, Clock(360.0, 30.0))
+    assert "budget will be overrun by at least 25.5 min" in text and "larger --budget" in text
+    fits = {"plan": {"per_token": 0.04, "calibrate_s": 72.0, "bench_s": 100.0, "distill_by": 150.0}, "done": {}}
+    assert "overrun" not in plan_text(fits, Clock(360.0, 10.0))

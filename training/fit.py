@@ -158,6 +158,10 @@ def plan_text(state: dict, clock: Clock) -> str:
     for p in PHASES:
         what = f"done in {done[p]['seconds']:.0f} s" if p in done else f"~{est[p] / 60:.1f} min"
         lines.append(f"  {p:<10} {what}")
+    if cal_bench > left:  # the target is slower here than the budget allows (another job running, or a big model)
+        lines.append(f"  calibrate and the bench alone need ~{cal_bench / 60:.1f} min of the {left / 60:.1f} left: the "
+                     f"budget will be overrun by at least {(cal_bench - left) / 60:.1f} min; give a larger --budget, "
+                     "or run it with nothing else on the machine")
     return "\n".join(lines)
 
 
