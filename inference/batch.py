@@ -15,7 +15,7 @@ import torch
 from einops import repeat
 
 from medusa_heads.tree.buffers import from_parents
-from medusa_heads.inference.cache import PreallocatedLayer, keep_accepted_rows, new_cache
+from medusa_heads.inference.cache import keep_accepted_rows, new_cache
 from medusa_heads.inference.decode import DecodeState, DecodeStats, emit, run
 from medusa_heads.inference.propose import Draft
 from medusa_heads.inference.verify import Target
@@ -35,9 +35,6 @@ def decode_batch(target: Target, plan: "DecodePlan", input_ids: torch.Tensor, at
     # written in place, not grown by torch.cat at every forward (which copies every row's keys and values each step);
     # a row's entries end by prompt_len + max_new_tokens, and past the guess (a larger tree) a layer doubles
     cache = new_cache(target.model, prompt_len + max_new_tokens + plan.max_size)
-    odd = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, PreallocatedLayer)})
-    if odd:
-        raise NotImplementedError(f"batched generation needs full-attention cache layers; this model has {', '.join(odd)}")
 
     sequences = torch.full((b_size, prompt_len + max_new_tokens), pad_token_id, dtype=torch.long, device=input_ids.device)
     sequences[:, :prompt_len] = input_ids

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -44,11 +44,15 @@ def _grown(buf: torch.Tensor, keep: int, capacity: int) -> torch.Tensor:
 
 
 def new_cache(model: PreTrainedModel, capacity: int | None = None) -> DynamicCache:
-    """The model's own DynamicCache; with `capacity`, its full-attention layers write into preallocated buffers."""
+    """A DynamicCache whose every layer keeps its whole history (with `capacity`, in preallocated buffers).
+    transformers' sliding-window layers keep only the last window of keys, so a tree that is verified and then cut
+    back would leave them without the entries it pushed out: here they keep everything, and their masks
+    (inference/layers.py) show them only their window. The load probe refuses models with other layer types."""
     cache = DynamicCache(config=model.config)
-    if capacity is not None:
-        # only plain full-attention layers: sliding-window and indexed layers keep their own update logic
-        cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    for layer in cache.layers:
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):  # full, sliding and chunked attention
+            raise ValueError(f"{type(model).__name__}: cache layers of type {type(layer).__name__} are not supported")
+    cache.layers = [DynamicLayer() if capacity is None else PreallocatedLayer(capacity) for _ in cache.layers]
     return cache
 
 
@@ -66,8 +70,6 @@ def keep_accepted(cache: DynamicCache, past: int, keep: torch.Tensor) -> None:
             if first < n:
                 kv[:, :, past + first : past + n] = kv.index_select(2, source)
             setattr(layer, name, kv[:, :, : past + n])
-        if hasattr(layer, "cumulative_length"):  # sliding-window layers count their tokens themselves
-            layer.cumulative_length = past + n
 
 
 @torch.no_grad()
@@ -96,5 +98,3 @@ def crop_to(cache: DynamicCache, length: int) -> None:
     """Drop every entry past `length`."""
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
-        if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length = length

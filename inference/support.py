@@ -14,7 +14,9 @@ _UNSUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attent
 @torch.no_grad()
 def check_tree_attention(target: Target) -> None:
     """Verify a two-branch tree and commit one branch, and compare with plain forwards. Raise ValueError if the
-    model (in this transformers version) ignores a custom 4D mask or its cache cannot keep a path."""
+    model (in this transformers version) ignores a custom 4D mask or its cache cannot keep a path. On a model with
+    sliding-window or chunked layers the prefix runs past the smallest window, so that what would fail mid-answer
+    fails here."""
     model = target.model
     name = type(model).__name__
     impl = getattr(model.config, "_attn_implementation", None)
@@ -22,16 +24,19 @@ def check_tree_attention(target: Target) -> None:
         raise ValueError(f"{name}: attn_implementation={impl!r} takes no custom 4D mask; load it with 'sdpa' or 'eager'")
     vocab = model.get_output_embeddings().weight.shape[0]
     device = model.device
-    a, x, y, z, w = (torch.tensor(t % vocab, device=device) for t in (11, 17, 23, 29, 31))
+    a, y, z, w = (torch.tensor([t % vocab], device=device) for t in (11, 23, 29, 31))
+    window = target.layout.smallest_window
+    n = 2 if window is None else window + 2  # the tree's nodes see past the window's first edge
+    prefix = (torch.arange(n, device=device) * 7 + 17) % vocab
     buffers = build_buffers(TreeSpec.from_paths([[0], [1]])).to(device)
     try:
         cache = new_cache(model)
-        target.prefill(torch.stack([a, x])[None], cache)
-        tree = target.verify(torch.stack([w, y, z]), 2, cache, buffers)
-        keep_accepted(cache, 2, torch.tensor([0, 2], device=device))
-        after = target.verify(torch.stack([a, w]), 4, cache, build_buffers(TreeSpec.from_paths([[0]])).to(device))
-        plain_y = model(torch.stack([a, x, w, y])[None]).logits[0, -1]
-        plain_z = model(torch.stack([a, x, w, z, a])[None]).logits[0, -2:]
+        target.prefill(torch.cat([a, prefix[1:]])[None], cache)
+        tree = target.verify(torch.cat([w, y, z]), n, cache, buffers)
+        keep_accepted(cache, n, torch.tensor([0, 2], device=device))
+        after = target.verify(torch.cat([a, w]), n + 2, cache, build_buffers(TreeSpec.from_paths([[0]])).to(device))
+        plain_y = model(torch.cat([a, prefix[1:], w, y])[None]).logits[0, -1]
+        plain_z = model(torch.cat([a, prefix[1:], w, z, a])[None]).logits[0, -2:]
     except Exception as e:  # report any failure of the probe as "unsupported", with its cause
         raise ValueError(f"{name} cannot be driven with a custom 4D attention mask and cache surgery: {e}") from e
     tol = 1e-3 if model.dtype == torch.float32 else 5e-2

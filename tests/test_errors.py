@@ -131,11 +131,11 @@ def test_a_misspelt_model_name_names_the_embedded_one_without_retries(no_model, 
     t = time.perf_counter()
     code, err = run(["generate", "--prompt", "hi", "--model", "smollm2-135m-instrct"], capsys)
     one_line(code, err, "--model smollm2-135m-instrct: no such model; did you mean 'smollm2-135m-instruct'? "
-                        "(the embedded model is 'smollm2-135m-instruct'", "generate")
+                        "(the embedded models are 'smollm2-135m-instruct', 'gemma3-270m'", "generate")
     monkeypatch.setattr("medusa_heads.default_model.hub_reachable", lambda timeout=3.0: False)
     code, err = run(["chat", "--model", "someone/some-model"], capsys)
-    one_line(code, err, "--model someone/some-model: not a local directory nor an embedded name (the embedded model is "
-                        "'smollm2-135m-instruct'), and the hub (", "chat")
+    one_line(code, err, "--model someone/some-model: not a local directory nor an embedded name (the embedded models are "
+                        "'smollm2-135m-instruct', 'gemma3-270m'), and the hub (", "chat")
     assert "cannot be reached from here, so it cannot be downloaded" in err
     assert time.perf_counter() - t < 10  # one look, not the hub client's retries (~50 s)
 
