@@ -169,3 +169,45 @@ def test_plan_says_up_front_when_the_fixed_phases_overrun_the_budget():
     assert "budget will be overrun by at least 25.5 min" in text and "larger --budget" in text
     fits = {"plan": {"per_token": 0.04, "calibrate_s": 72.0, "bench_s": 100.0, "distill_by": 150.0}, "done": {}}
     assert "overrun" not in plan_text(fits, Clock(360.0, 10.0))
+
+
+def test_a_failure_in_any_phase_is_one_line_and_a_rerun_continues(tmp_path, prompts, monkeypatch):
+    """A sliding-window model (a window of 16 tokens, which calibrate's contexts cross); each phase in turn raises:
+    one line naming the phase and the cause, nothing done is lost, the heads load (with their fixed tree when
+    calibrate failed) and decode losslessly, and a rerun continues to the report."""
+    import medusa_heads.training.fit as fit_module
+    from medusa_heads.cli import main
+
+    base = _model(tmp_path / "model", "gemma2", sliding_window=16)
+    monkeypatch.setattr(fit_module, "process_start", lambda: __import__("time").time())
+    out = tmp_path / "heads"
+    argv = ["fit", "--model", str(tmp_path / "model"), "--budget", "5m", "--out", str(out), "--prompts",
+            str(prompts / "train.jsonl"), "--bench-prompts", str(prompts / "bench.jsonl"), "--max-answers", "24",
+            "--max-steps", "8"]
+    ids = torch.tensor([[2, 5, 9, 14] * 6])  # 24 tokens: past the window
+    ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    for phase in ("distill", "train", "calibrate", "bench"):
+        real = getattr(fit_module, f"_{phase}")
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("The size of tensor a (32) must match\nthe size of tensor b (57)")
+
+        monkeypatch.setattr(fit_module, f"_{phase}", boom)
+        with pytest.raises(SystemExit) as err:
+            main(argv)
+        message = str(err.value.code)
+        assert message.startswith(f"medusa-heads fit: {phase} failed (RuntimeError: The size of tensor a (32) must "
+                                  "match); ") and "\n" not in message and "rerun the same command" in message, message
+        state = json.loads((out / "fit_state.json").read_text())
+        assert phase not in state["done"] and state["failed"]["phase"] == phase
+        phases = ("distill", "train", "calibrate", "bench")
+        assert all(p in state["done"] for p in phases[: phases.index(phase)])
+        if phase in ("calibrate", "bench"):
+            model = MedusaModel.from_pretrained(base, heads=str(out))
+            assert phase == "bench" or not model.adaptive  # without calibration: the fixed tree
+            assert torch.equal(model.generate(ids, max_new_tokens=24), ref)
+        monkeypatch.setattr(fit_module, f"_{phase}", real)
+    main(argv)  # the last phase, then the report
+    report = json.loads((out / "report.json").read_text())
+    assert report["bench"]["differ"] == 0
+    assert "failed" not in json.loads((out / "fit_state.json").read_text())

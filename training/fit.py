@@ -201,6 +201,23 @@ def process_start() -> float:
         return time.time()
 
 
+class PhaseFailed(RuntimeError):
+    """A phase of fit ended in an error: the message is one line (phase, cause, what is kept, how to go on)."""
+
+
+_KEPT = {  # what a failure in each phase leaves
+    "distill": "the answers written so far are kept in {out}",
+    "train": "the answers are kept in {out}, and training resumes from its last checkpoint",
+    "calibrate": "the trained heads in {out} load and decode losslessly with their fixed tree",
+    "bench": "the heads in {out} are trained and calibrated; only the closing bench is missing",
+}
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0][:300] if lines else "no message"
+
+
 def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, force_cost: bool = False,
         prompts: list[str] | None = None, bench_prompts: str = "data/bench_prompts.jsonl",
         bench_files: list[str] | None = None, max_answers: int = 0, max_steps: int = 0,
@@ -241,9 +258,13 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
         write_state(out, state)
 
     if "plan" not in state:
-        state["rules"] = choose_recipe(h, v, state["budget_s"])
-        state["params"] = sum(p.numel() for p in base.parameters())
-        state["plan"] = make_plan(base, tok, state["budget_s"], clock.spent(), bench_prompts)
+        try:
+            state["rules"] = choose_recipe(h, v, state["budget_s"])
+            state["params"] = sum(p.numel() for p in base.parameters())
+            state["plan"] = make_plan(base, tok, state["budget_s"], clock.spent(), bench_prompts)
+        except Exception as e:
+            raise PhaseFailed(f"planning failed ({type(e).__name__}: {_first_line(e)}) while timing the model's "
+                              f"generate; nothing was written to {out}") from e
         save()
     log(plan_text(state, clock))
     plan = state["plan"]
@@ -259,28 +280,35 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
         if phase in state["done"]:
             continue
         t0 = time.time()
-        if phase == "distill":
-            seconds = max(plan["distill_by"] - clock.spent(), 0)
-            log(f"fit: distill, ~{seconds / 60:.1f} min")
-            finish(phase, t0, **_distill(base, tok, state, out, data, seconds, fraction, prompts, bench_files,
-                                         max_answers, log, save))
-        elif phase == "train":
-            seconds = max(clock.left() - fixed, 0)
-            log(f"fit: train, ~{seconds / 60:.1f} min")
-            finish(phase, t0, **_train(base, state, out, data, seconds, clock.at(state["budget_s"] - fixed),
-                                       max_steps, log, save))
-        elif phase == "calibrate":
-            log(f"fit: calibrate, ~{plan['calibrate_s'] / 60:.1f} min")
-            info = _calibrate(base, tok, state, out, data, force_cost, log)
-            crash_point("calibrate")  # calibrated, not yet marked done
-            finish(phase, t0, **info)
-        else:
-            log(f"fit: bench, ~{min(plan['bench_s'], max(clock.left(), 0)) / 60:.1f} min")
-            info = _bench(base, tok, state, out, clock.left(), bench_prompts, log)
-            crash_point("bench")
-            finish(phase, t0, **info)
-        if phase == stop_after:
-            return {}
+        state.pop("failed", None)
+        try:
+            if phase == "distill":
+                seconds = max(plan["distill_by"] - clock.spent(), 0)
+                log(f"fit: distill, ~{seconds / 60:.1f} min")
+                finish(phase, t0, **_distill(base, tok, state, out, data, seconds, fraction, prompts, bench_files,
+                                             max_answers, log, save))
+            elif phase == "train":
+                seconds = max(clock.left() - fixed, 0)
+                log(f"fit: train, ~{seconds / 60:.1f} min")
+                finish(phase, t0, **_train(base, state, out, data, seconds, clock.at(state["budget_s"] - fixed),
+                                           max_steps, log, save))
+            elif phase == "calibrate":
+                log(f"fit: calibrate, ~{plan['calibrate_s'] / 60:.1f} min")
+                info = _calibrate(base, tok, state, out, data, force_cost, log)
+                crash_point("calibrate")  # calibrated, not yet marked done
+                finish(phase, t0, **info)
+            else:
+                log(f"fit: bench, ~{min(plan['bench_s'], max(clock.left(), 0)) / 60:.1f} min")
+                info = _bench(base, tok, state, out, clock.left(), bench_prompts, log)
+                crash_point("bench")
+                finish(phase, t0, **info)
+            if phase == stop_after:
+                return {}
+        except Exception as e:  # one line naming the phase and its cause; what is done stays done
+            state["failed"] = {"phase": phase, "error": f"{type(e).__name__}: {_first_line(e)}"}
+            save()
+            raise PhaseFailed(f"{phase} failed ({state['failed']['error']}); {_KEPT[phase].format(out=out)}; fix "
+                              f"the cause and rerun the same command to continue from {phase}") from e
     report = write_report(state, out)
     log((out / "report.md").read_text())
     return report
@@ -500,4 +528,4 @@ def write_report(state: dict, out: Path) -> dict:
     return report
 
 
-__all__ = ["PHASES", "choose_recipe", "fit", "make_plan", "parse_budget", "plan_text", "process_start", "training_prompts"]
+__all__ = ["PHASES", "PhaseFailed", "choose_recipe", "fit", "make_plan", "parse_budget", "plan_text", "process_start", "training_prompts"]

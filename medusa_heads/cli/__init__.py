@@ -335,6 +335,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.debug:
             raise
         raise SystemExit(f"{prog}: {_one_line(e)}") from None
+    except RuntimeError as e:  # a fit phase that failed says so in one line (its traceback: --debug)
+        from medusa_heads.training.fit import PhaseFailed
+
+        if args.debug or not isinstance(e, PhaseFailed):
+            raise
+        raise SystemExit(f"{prog}: {_one_line(e)}") from None
     if interrupted:
         print("interrupted", file=sys.stderr)
         raise SystemExit(INTERRUPTED)
