@@ -87,7 +87,8 @@ def test_fit_end_to_end(tmp_path, prompts, arch, kw):
     assert (tmp_path / "heads" / "self_prompts.jsonl.gz").is_file() == bool(kw.get("chat"))
     for key in ("answers", "train_tokens", "steps", "held_out_top1", "bench", "phases_s", "spent_s"):
         assert key in report
-    assert report["bench"]["differ"] == 0 and report["steps"] == 8
+    assert report["bench"]["differ"] == 0 and report["steps"] == 8 and report["bench"]["pld_speedup"] > 0
+    assert "prompt lookup" in (tmp_path / "heads" / "report.md").read_text().splitlines()[2]
     assert (tmp_path / "heads" / "report.md").is_file()
     model = MedusaModel.from_pretrained(base, heads=str(tmp_path / "heads"))
     ids = torch.tensor([[2, 5, 9, 14]])

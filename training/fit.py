@@ -20,7 +20,7 @@ PHASES = ("distill", "train", "calibrate", "bench")
 # from what is left then, so it takes up what distill's estimate missed; each phase also has a deadline.
 DISTILL_SHARE = 0.58  # distill : train = 0.45 : 0.33, the split of the 1-hour run (results/fit/1h)
 CALIBRATE_TOKENS = 1800  # calibrate took 96-98 s on SmolLM2 at 1 thread, ~1,800 × its 54 ms a token (results/fit)
-BENCH_FACTOR = 1.8  # a bench prompt: generate + ours = (1 + 1 / speed-up) × its tokens × per_token (1h: 107 s for 21)
+BENCH_FACTOR = 2.4  # a bench prompt: generate + prompt lookup + ours = (1 + 1 / 1.6 + 1 / speed-up) × its tokens × per_token
 BENCH_SHARE = 0.10  # the bench's prompts: as many as 10% of the budget buys, at least 2, at most the file's
 SAMPLED_SHARE = 0.44  # of the answers sampled at T 0.7: the shipped heads' mix (stage 4: 5,284 of 11,927 answers)
 SAMPLED_VARIANT = "t07"
@@ -490,11 +490,13 @@ def _bench(base, tok, state, out, seconds, bench_prompts, log) -> dict:
     if "bench_prompts" not in state:  # the plan's, fewer where less time is left (at least 2)
         per_prompt = state["plan"]["bench_s"] / state["plan"]["bench_prompts"]
         state["bench_prompts"] = max(2, min(state["plan"]["bench_prompts"], int(seconds / per_prompt)))
-    result = run_bench(model, tok, rows[: state["bench_prompts"]], ["hf", "medusa"], BENCH_TOKENS)
-    m = result["overall"]["medusa"]
+    # transformers' prompt lookup beside the heads: the free baseline a user has without training anything
+    result = run_bench(model, tok, rows[: state["bench_prompts"]], ["hf", "pld", "medusa"], BENCH_TOKENS)
+    m, pld = result["overall"]["medusa"], result["overall"]["pld"]
     return {"prompts": state["bench_prompts"], "tau": m["mean_accepted"], "speedup": m["speedup_vs_hf"],
             "differ": m["mismatches_vs_hf"], "file": str(bench_prompts),
-            "per_step_tree": model.cost_model() is not None}
+            "per_step_tree": model.cost_model() is not None, "pld_speedup": pld["speedup_vs_hf"],
+            "pld_tau": pld["mean_accepted"]}
 
 
 def write_report(state: dict, out: Path) -> dict:
@@ -506,13 +508,21 @@ def write_report(state: dict, out: Path) -> dict:
         "train_tokens": d["train"]["train_tokens"], "eval_tokens": d["train"]["eval_tokens"],
         "steps": d["train"]["steps"], "held_out_top1": d["train"]["top1"], "recipe": state["rules"],
         "calibration": {"untrusted_timings": d["calibrate"]["untrusted_timings"], "forced": d["calibrate"]["forced"]},
-        "bench": {k: d["bench"][k] for k in ("prompts", "tau", "speedup", "differ", "file", "per_step_tree")},
+        "bench": {k: d["bench"].get(k) for k in ("prompts", "tau", "speedup", "differ", "file", "per_step_tree",
+                                                  "pld_speedup", "pld_tau")},
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     b, r = report["bench"], report["recipe"]["recipe"]
     tree = "the per-step tree (calibrated)" if b["per_step_tree"] else "the fixed tree (no trusted cost model: " \
         f"{report['calibration']['untrusted_timings'] or 'none measured'})"
-    md = [f"# fit: {state['model']}", "",
+    verdict = []
+    if b["pld_speedup"] is not None:  # the first lines say whether the training paid against the free baseline
+        gain = b["speedup"] / b["pld_speedup"]
+        verdict = [f"**The heads {'beat' if gain > 1 else 'do not beat'} transformers' prompt lookup on this model**: "
+                   f"{b['speedup']:.2f}× against {b['pld_speedup']:.2f}× `generate` ({gain:.2f}× prompt lookup)."
+                   + ("" if gain > 1 else " Use prompt lookup (`generate(..., prompt_lookup_num_tokens=10)`) or "
+                      "train longer (a larger --budget)."), ""]
+    md = [f"# fit: {state['model']}", "", *verdict,
           f"Budget {state['budget_s'] / 60:.1f} min, spent {report['spent_s'] / 60:.1f} min "
           f"({', '.join(f'{p} {s:.0f} s' for p, s in report['phases_s'].items())}; the rest: loading).", "",
           "| what the budget bought | |", "|---|---|",
@@ -523,6 +533,8 @@ def write_report(state: dict, out: Path) -> dict:
           f"| held-out top-1, heads 1–{r['num_heads']} | {' / '.join(f'{t:.3f}' for t in report['held_out_top1'])} |",
           f"| bench | {b['prompts']} prompts of {b['file']}, {BENCH_TOKENS} new tokens, greedy |",
           f"| τ (tokens a forward) | {b['tau']:.2f} |", f"| speed-up over generate | {b['speedup']:.2f}× |",
+          *([f"| prompt lookup (transformers, 10 tokens): τ, speed-up | {b['pld_tau']:.2f}, {b['pld_speedup']:.2f}× |"]
+            if b["pld_speedup"] is not None else []),
           f"| outputs that differ from generate | {b['differ']} |", f"| tree used | {tree} |", ""]
     (out / "report.md").write_text("\n".join(md))
     return report
