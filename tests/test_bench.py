@@ -32,6 +32,9 @@ def test_bench_writes_tables_and_greedy_methods_match(tmp_path, real_base):
     assert (tmp_path / "speedup.png").stat().st_size > 1000 and "medusa-preset" in table
     assert "Slowest category for `medusa`" in table and "Slowest single prompt for `medusa`: " in table
     assert "{" not in table.splitlines()[0] and ": 8 new tokens, greedy, tree fixed, 8 nodes" in table.splitlines()[0]
+    ours, pld = (result["overall"][m]["speedup_vs_hf"] for m in ("medusa", "pld"))
+    assert table.splitlines()[4].startswith(f"**The heads {'beat' if ours > pld else 'do not beat'} transformers' "
+                                            "prompt lookup here**")
     assert "| overall | medusa (heads only) |" in table  # new heads: no prompt lookup of their own
     assert "| overall | medusa+pld (heads + lookup 10) |" in table and "| medusa:chain-4+pld3 (heads + lookup 3) |" in table
     assert result["long"]["medusa"]["tokens"] == 12 and all(result["long"][m]["same_as_hf"] for m in methods)

@@ -249,6 +249,17 @@ def _setup_text(st: dict) -> str:
             + (f"; per-step trees sized by the cost model {st['cost_model']}" if st.get("cost_model") else ""))
 
 
+def _against_lookup(result: dict) -> list[str]:
+    """A first line on whether the heads beat transformers' prompt lookup, the baseline that needs no training."""
+    overall = result["overall"]
+    if "pld" not in overall or "medusa" not in overall:
+        return []
+    ours, pld = overall["medusa"]["speedup_vs_hf"], overall["pld"]["speedup_vs_hf"]
+    verdict = "beat" if ours > pld else "do not beat"
+    return [f"**The heads {verdict} transformers' prompt lookup here**: `medusa` {ours:.2f}× against `pld` "
+            f"{pld:.2f}× `generate` ({ours / pld:.2f}× prompt lookup)."]
+
+
 def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -257,7 +268,7 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     labels = {m: result.get("labels", {}).get(m, m) for m in methods}
     title = (f"{st.get('model') or 'model'}: {st['max_new_tokens']} new tokens, {_sampling_text(st['sampling'])}, "
              f"tree {st['tree']}")
-    lines = [f"# Benchmark: {title}", "", f"{_setup_text(st)}.", ""]
+    lines = [f"# Benchmark: {title}", "", f"{_setup_text(st)}.", "", *_against_lookup(result), ""]
     header = "| category | method | tokens/s | tau | speed-up vs hf | mismatches | peak MB |"
     lines += [header, "|---|---|---|---|---|---|---|"]
     for cat, per in [("overall", result["overall"]), *result["by_category"].items()]:
