@@ -177,13 +177,17 @@ def test_the_phrasebooks_acceptance_is_measured_on_answers_it_did_not_learn():
         ngram_acceptance(store, [(torch.tensor([9, 9, 9]), [(0, 3)])])
 
 
-def test_calibrate_builds_the_phrasebook_measures_it_on_held_out_prompts_and_stores_both(tmp_path, capsys):
+@pytest.mark.parametrize("vocab", [None, 262_144])  # Gemma 3's vocabulary: n-grams of 3 tokens at most (int64 keys)
+def test_calibrate_builds_the_phrasebook_measures_it_on_held_out_prompts_and_stores_both(tmp_path, capsys, vocab):
     import json
 
     from medusa_heads.cli import main
     from medusa_heads.corpus import is_eval
 
     tok, base = tiny_model_with_tokenizer(tmp_path / "model")
+    if vocab:
+        base = tiny_model("llama", vocab_size=vocab)
+        base.save_pretrained(tmp_path / "model")
     convs = rotated_conversations(40)
     MedusaModel.from_pretrained(base, heads=None).save_pretrained(tmp_path / "heads")
     config = json.loads((tmp_path / "heads" / "config.json").read_text())
@@ -201,7 +205,8 @@ def test_calibrate_builds_the_phrasebook_measures_it_on_held_out_prompts_and_sto
     acceptance = PhraseAcceptance.from_dict(saved["adaptive"]["ngrams"])
     assert acceptance.rate(1, 4, 1.0) > 0.5  # the held-out answers are rotations of the learned ones
     assert saved["extra"]["adaptive_calibration"]["ngrams"]["roots"] > 0
-    store = load_ngrams(tmp_path / "heads", vocab_size=len(tok))
+    store = load_ngrams(tmp_path / "heads", vocab_size=vocab or len(tok))
+    assert store.max_n == (3 if vocab else 4)
     the_cat = tok(" the cat", add_special_tokens=False)["input_ids"]
     assert store.chain(the_cat, 2)[0] == tok(" sat on", add_special_tokens=False)["input_ids"]
     assert "## The phrasebook" in (tmp_path / "report" / "report.md").read_text()

@@ -462,7 +462,8 @@ def _calibrate(base, tok, state, out, data, force_cost, log) -> dict:
     model = MedusaModel.from_pretrained(base, heads=str(out))
     positions = getattr(base.config, "max_position_embeddings", None) or 1 << 20
     settings = Settings(repeats=5, contexts=tuple(c for c in Settings.contexts if c < positions) or (positions // 2,))
-    problem, attempts = None, [["acceptance", "lookup", "ngrams", "cost"], ["lookup", "cost"], ["cost"]]
+    problem, attempts = None, [["acceptance", "lookup", "ngrams", "cost"], ["acceptance", "lookup", "cost"],
+                               ["lookup", "cost"], ["cost"]]
     for parts in attempts:  # the first the data allows: acceptance needs held-out answers in both halves, lookup tokens
         try:
             calibrate(model, tok, out, parts, held, out / "features", settings,

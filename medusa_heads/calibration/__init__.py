@@ -56,7 +56,7 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     from medusa_heads.shards import load_segments
     from medusa_heads.tree.adaptive import cost_key
     from medusa_heads.tree.calibrate import rank_paths
-    from medusa_heads.tree.ngrams import NgramStore
+    from medusa_heads.tree.ngrams import NgramStore, max_order
 
     unknown = set(parts) - set(PARTS)
     if not parts or unknown:
@@ -152,7 +152,9 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         if not phrase_data or not phrase_data[0] or not phrase_data[1]:
             raise ValueError("the phrasebook needs distilled conversations to learn and held-out ones to measure on")
         learn, held = phrase_data  # held: the heads' held-out prompts, which a bench draws on: never learned
-        store = NgramStore.build(measure.tokenized_answers(tokenizer, learn), config.vocab_size)
+        # n-grams up to 4 tokens, fewer where their keys would not fit an int64 (3 for a 262K vocabulary)
+        store = NgramStore.build(measure.tokenized_answers(tokenizer, learn), config.vocab_size,
+                                 max_n=min(4, max_order(config.vocab_size)))
         fit = [c for c in held if not measure.second_half(c["id"])]  # fitted on one half, tested on the other
         test = [c for c in held if measure.second_half(c["id"])]
         if not fit or not test:
