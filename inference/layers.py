@@ -16,9 +16,9 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 FULL = "full_attention"
 
-# layer type -> does a query at position q see a key at position k <= q, given the type's window (or chunk) w
+# layer type -> does a query at position q see a key at position k <= q, given the type's window (or chunk) w;
+# full attention sees every earlier position, so its mask is the causal/tree one as it is
 _SEES: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
-    FULL: lambda q, k, w: torch.ones_like(q + k, dtype=torch.bool),
     "sliding_attention": lambda q, k, w: k > q - w,  # the w latest positions, the query's own included
     "chunked_attention": lambda q, k, w: torch.div(k, w, rounding_mode="floor") == torch.div(q, w, rounding_mode="floor"),
 }
@@ -68,7 +68,7 @@ def attention_layout(model: PreTrainedModel) -> AttentionLayout:
     cache_types, kwargs = get_layer_types_and_kwargs(config)
     name = type(model).__name__
     for kind in dict.fromkeys(cache_types):
-        if kind not in _SEES:
+        if kind != FULL and kind not in _SEES:
             why = _WHY_NOT.get(kind, f"it has layers of type {kind!r}, which medusa-heads does not know")
             raise ValueError(f"{name} is not supported: {why}; tree decoding needs attention layers whose cache can be "
                              "cut back to the accepted path")

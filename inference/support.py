@@ -27,16 +27,16 @@ def check_tree_attention(target: Target) -> None:
     a, y, z, w = (torch.tensor([t % vocab], device=device) for t in (11, 23, 29, 31))
     window = target.layout.smallest_window
     n = 2 if window is None else window + 2  # the tree's nodes see past the window's first edge
-    prefix = (torch.arange(n, device=device) * 7 + 17) % vocab
+    prefix = torch.cat([a, (torch.arange(1, n, device=device) * 7 + 17) % vocab])  # (n,)
     buffers = build_buffers(TreeSpec.from_paths([[0], [1]])).to(device)
     try:
         cache = new_cache(model)
-        target.prefill(torch.cat([a, prefix[1:]])[None], cache)
+        target.prefill(prefix[None], cache)
         tree = target.verify(torch.cat([w, y, z]), n, cache, buffers)
         keep_accepted(cache, n, torch.tensor([0, 2], device=device))
         after = target.verify(torch.cat([a, w]), n + 2, cache, build_buffers(TreeSpec.from_paths([[0]])).to(device))
-        plain_y = model(torch.cat([a, prefix[1:], w, y])[None]).logits[0, -1]
-        plain_z = model(torch.cat([a, prefix[1:], w, z, a])[None]).logits[0, -2:]
+        plain_y = model(torch.cat([prefix, w, y])[None]).logits[0, -1]
+        plain_z = model(torch.cat([prefix, w, z, a])[None]).logits[0, -2:]
     except Exception as e:  # report any failure of the probe as "unsupported", with its cause
         raise ValueError(f"{name} cannot be driven with a custom 4D attention mask and cache surgery: {e}") from e
     tol = 1e-3 if model.dtype == torch.float32 else 5e-2

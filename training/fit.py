@@ -518,11 +518,9 @@ def write_report(state: dict, out: Path) -> dict:
         f"{report['calibration']['untrusted_timings'] or 'none measured'})"
     verdict = []
     if b["pld_speedup"] is not None:  # the first lines say whether the training paid against the free baseline
-        gain = b["speedup"] / b["pld_speedup"]
-        verdict = [f"**The heads {'beat' if gain > 1 else 'do not beat'} transformers' prompt lookup on this model**: "
-                   f"{b['speedup']:.2f}× against {b['pld_speedup']:.2f}× `generate` ({gain:.2f}× prompt lookup)."
-                   + ("" if gain > 1 else " Use prompt lookup (`generate(..., prompt_lookup_num_tokens=10)`) or "
-                      "train longer (a larger --budget)."), ""]
+        from medusa_heads.cli.bench import lookup_verdict
+
+        verdict = [lookup_verdict(b["speedup"], b["pld_speedup"], "on this model"), ""]
     md = [f"# fit: {state['model']}", "", *verdict,
           f"Budget {state['budget_s'] / 60:.1f} min, spent {report['spent_s'] / 60:.1f} min "
           f"({', '.join(f'{p} {s:.0f} s' for p, s in report['phases_s'].items())}; the rest: loading).", "",

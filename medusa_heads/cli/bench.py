@@ -249,15 +249,21 @@ def _setup_text(st: dict) -> str:
             + (f"; per-step trees sized by the cost model {st['cost_model']}" if st.get("cost_model") else ""))
 
 
+def lookup_verdict(ours: float, pld: float, where: str = "here") -> str:
+    """One line on whether the heads (`ours`× generate) beat transformers' prompt lookup (`pld`× generate), the
+    baseline that needs no training; `bench` and `fit` open their reports with it."""
+    verdict = "beat" if ours > pld else "do not beat"
+    advice = "" if ours > pld else (" Use prompt lookup (`generate(..., prompt_lookup_num_tokens=10)`) or train "
+                                    "longer (`fit` with a larger --budget).")
+    return (f"**The heads {verdict} transformers' prompt lookup {where}**: {ours:.2f}× against {pld:.2f}× "
+            f"`generate` ({ours / pld:.2f}× prompt lookup).{advice}")
+
+
 def _against_lookup(result: dict) -> list[str]:
-    """A first line on whether the heads beat transformers' prompt lookup, the baseline that needs no training."""
     overall = result["overall"]
     if "pld" not in overall or "medusa" not in overall:
         return []
-    ours, pld = overall["medusa"]["speedup_vs_hf"], overall["pld"]["speedup_vs_hf"]
-    verdict = "beat" if ours > pld else "do not beat"
-    return [f"**The heads {verdict} transformers' prompt lookup here**: `medusa` {ours:.2f}× against `pld` "
-            f"{pld:.2f}× `generate` ({ours / pld:.2f}× prompt lookup)."]
+    return [lookup_verdict(overall["medusa"]["speedup_vs_hf"], overall["pld"]["speedup_vs_hf"])]
 
 
 def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
