@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test test-vllm vllm-setup bench clean
+.PHONY: setup demo test test-vllm vllm-setup test-llamacpp llamacpp-setup bench clean
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,15 @@ test-vllm: setup vllm-setup
 	timeout 900 $(PY) scripts/vllm_check.py ours --heads $(SERVING_HEADS) --out $(VLLM_RUN)/ours.json
 	timeout 1800 $(VPY) scripts/vllm_check.py check --export $(VLLM_RUN)/heads --ours $(VLLM_RUN)/ours.json
 
+# llama.cpp, the engine CPU users run, beside us in `bench --methods ...,llamacpp`: llama-cpp-python's sdist built for
+# this CPU (ggml's options named, AMX off, -march=native off) and llama.cpp's server from the same source, once, in
+# ~/.cache/medusa-heads/llama.cpp (about 9 min on two cores); then the tests that run the real llama.cpp.
+llamacpp-setup: setup
+	$(PY) -c "from medusa_heads import llamacpp as l; l.python_binding(); l.server_binary()"
+
+test-llamacpp: llamacpp-setup
+	$(PY) -m pytest -q -m llamacpp tests/test_llamacpp.py
+
 # The standard benchmark set behind README's results table: each run writes results.md, results.json and
 # speedup.png into its folder of results/ (see that folder's README.md). About 40 minutes on the 2-core CPU, from the
 # token rates those files report; nothing else should run meanwhile. The GPU run is results/gpu/run.sh.
@@ -64,6 +73,7 @@ bench: setup
 	mkdir -p runs && cat data/bench_prompts_fresh.jsonl data/bench_prompts_new.jsonl > $(UNSEEN_PROMPTS)
 	$(MH) bench --prompts $(UNSEEN_PROMPTS) --methods hf,pld,medusa --long-tokens 0 --out results/unseen
 	$(MH) bench --prompts $(BENCH_PROMPTS) --batch-sizes 2,4,8 --limit 16 --out results/batch
+	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,pld,medusa,llamacpp --long-tokens 0 --out results/llamacpp
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

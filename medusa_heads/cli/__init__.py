@@ -254,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "medusa (as configured: the per-step tree for calibrated heads, plus the heads' own prompt "
                         "lookup), medusa-static (the heads' fixed tree), medusa-preset (--preset), medusa:PRESET; a "
                         "medusa method + '+pldN' sets prompt lookup to N tokens ('+pld0': heads only, '+pld': 10); "
-                        "hf is always run (the reference)")
+                        "llamacpp: llama.cpp on the same prompts (plain decoding of F32, BF16 and Q8_0 GGUF files made "
+                        "from the model, and its n-gram self-speculation modes; built for this CPU once, ~9 min), or "
+                        "one of llamacpp-f32, -bf16, -q8_0, -ngram; hf is always run (the reference)")
     b.add_argument("--preset", default=DEFAULT_TREE, choices=list_presets(), help="the tree of medusa-preset")
     b.add_argument("--max-new-tokens", type=positive, default=128, help="most tokens per answer")
     _sampling_args(b)

@@ -15,6 +15,7 @@ from medusa_heads.inference.prepack import is_prepacked, stock_kernels
 from medusa_heads.prompting import eos_ids, prompt_ids, prompt_text, user_turn
 from medusa_heads.tree.adaptive import hardware
 from medusa_heads.corpus import PromptRow
+from medusa_heads.llamacpp import METHODS as LLAMACPP_METHODS, NGRAM_MODES, plain_reference
 
 
 class ForwardCounter:
@@ -64,20 +65,28 @@ def parse_method(method: str) -> tuple[str, int | None]:
         return name, PLD_TOKENS if lookup == "" else int(lookup)
     raise ValueError(f"unknown bench method {method!r}; methods: {', '.join(PLAIN_METHODS + MEDUSA_METHODS)}, "
                      f"medusa:PRESET (PRESET: {', '.join(list_presets())}), a medusa method + '+pldN' "
-                     f"(prompt lookup of N tokens; '+pld0': heads only)")
+                     f"(prompt lookup of N tokens; '+pld0': heads only), llamacpp (all of: "
+                     f"{', '.join(LLAMACPP_METHODS)})")
 
 
 def check_methods(methods: list[str]) -> list[str]:
-    """The methods to run, checked, without repeats, hf (the reference) first."""
-    methods = [m.strip() for m in methods if m.strip()]
+    """The methods to run, checked, without repeats, hf (the reference) first; "llamacpp" stands for every
+    llama.cpp method (medusa_heads/llamacpp.py), "llamacpp-ngram" for its n-gram modes."""
+    from medusa_heads import llamacpp
+
+    methods = llamacpp.expand([m.strip() for m in methods if m.strip()])
     for m in methods:
-        parse_method(m)
+        if m not in llamacpp.METHODS:
+            parse_method(m)
     return list(dict.fromkeys(["hf", *methods]))
 
 
 def method_label(method: str, heads_lookup: int, phrasebook: bool = False) -> str:
     """What a method runs, for tables and charts: e.g. "medusa (heads + lookup 10)", "medusa+pld0 (heads only)";
     phrasebook: the heads' phrasebook drafts in the per-step tree ("heads + phrasebook + lookup 10")."""
+    if method in LLAMACPP_METHODS:
+        kind = method.removeprefix("llamacpp-")
+        return f"llama.cpp {kind.upper()}" if kind not in NGRAM_MODES else f"llama.cpp F32 + {kind} self-speculation"
     name, lookup = parse_method(method)
     if name == "hf":
         return "hf"
@@ -112,8 +121,14 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
     methods = check_methods(methods)
     trees = {"medusa": None, "medusa-static": model.tree, "medusa-preset": preset}  # None: the model's default
     gen = dict(do_sample=False) if sampling is None else dict(do_sample=True, **sampling)
+    engines = llamacpp_engines(base, tokenizer, methods, sampling, max_new_tokens + long_tokens)
+    llama_forwards = {}  # a llama.cpp method's target forwards at its last call (its own count; no hook sees them)
 
     def call(method: str, ids: torch.Tensor, max_new_tokens: int = max_new_tokens, **gen):
+        if method in engines:
+            new, llama_forwards[method] = engines[method].generate(ids[0].tolist(), max_new_tokens,
+                                                                   ignore_eos="eos_token_id" in gen)
+            return torch.cat([ids, torch.tensor([new], dtype=ids.dtype, device=ids.device)], dim=1), None
         if method == "hf":
             return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **gen), None
         if method == "hf-stock":  # transformers' generate on PyTorch's stock kernels (differs from hf if prepacked)
@@ -134,7 +149,8 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         call(m, warm, **gen)
     by_prompt: dict[str, dict[str, float]] = {}
 
-    acc = defaultdict(lambda: defaultdict(lambda: {"seconds": 0.0, "tokens": 0, "forwards": 0, "mismatches": 0, "peak_mb": 0.0}))
+    acc = defaultdict(lambda: defaultdict(lambda: {"seconds": 0.0, "tokens": 0, "forwards": 0, "mismatches": 0, "mismatches_plain": 0,
+                                                 "peak_mb": 0.0}))
     profile = defaultdict(float)
     verify_sizes = defaultdict(lambda: [0, 0])  # medusa's tree tokens verified at a step -> [steps, new tokens]
     for i, row in enumerate(tqdm(rows, desc="bench", unit="prompt")):
@@ -161,7 +177,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                     a = acc[cat][m]
                     a["seconds"] += dt
                     a["tokens"] += new
-                    a["forwards"] += counter.calls - calls0
+                    a["forwards"] += llama_forwards[m] if m in engines else counter.calls - calls0
                     a["peak_mb"] = max(a["peak_mb"], _peak_mb(device))
                 if stats is not None and m == "medusa":
                     for k, v in stats.seconds.items():
@@ -172,9 +188,11 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                         verify_sizes[drafted + 1][0] += 1
                         verify_sizes[drafted + 1][1] += emitted
             for m in methods:
-                if sampling is None and not torch.equal(outs[m], outs["hf"]):
-                    for cat in ("overall", row.category or "uncategorised"):
-                        acc[cat][m]["mismatches"] += 1
+                ref = plain_reference(m)
+                for key, other in (("mismatches", "hf"), ("mismatches_plain", ref)):
+                    if sampling is None and other is not None and not torch.equal(outs[m], outs[other]):
+                        for cat in ("overall", row.category or "uncategorised"):
+                            acc[cat][m][key] += 1
             reply = tokenizer.decode(outs["hf"][0, ids.shape[1]:], skip_special_tokens=True)
             messages.append({"role": "assistant", "content": reply})
     long = {}
@@ -184,13 +202,16 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
             calls0, t0 = counter.calls, time.perf_counter()
             seq, _ = call(m, ids, max_new_tokens=long_tokens, eos_token_id=None, **gen)
             dt = time.perf_counter() - t0
+            forwards = llama_forwards[m] if m in engines else counter.calls - calls0
             long[m] = {"tokens_per_s": (seq.shape[1] - ids.shape[1]) / dt, "tokens": seq.shape[1] - ids.shape[1],
-                       "mean_accepted": (seq.shape[1] - ids.shape[1]) / max(counter.calls - calls0, 1), "seq": seq}
+                       "mean_accepted": (seq.shape[1] - ids.shape[1]) / max(forwards, 1), "seq": seq}
         for m in methods:
             long[m]["speedup_vs_hf"] = long[m]["tokens_per_s"] / long["hf"]["tokens_per_s"]
             long[m]["same_as_hf"] = bool(torch.equal(long[m].pop("seq"), long["hf"]["seq"])) if m != "hf" else True
         long["hf"].pop("seq")
     counter.handle.remove()
+    for engine in engines.values():
+        engine.close()
 
     def summarise(per_method: dict) -> dict:
         hf = per_method["hf"]
@@ -204,6 +225,8 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                 "mismatches_vs_hf": a["mismatches"] if sampling is None else None,
                 "peak_memory_mb": a["peak_mb"],
             }
+            if plain_reference(m) is not None:  # an n-gram mode of llama.cpp against llama.cpp's plain decoding
+                out[m]["mismatches_vs_plain"] = a["mismatches_plain"]
         return out
 
     speedups = {p: {m: v[m] / v["hf"] for m in v} for p, v in by_prompt.items()}
@@ -216,6 +239,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         "labels": {m: method_label(m, model.config.lookup_tokens, model.adaptive and model.phrasebook() is not None)
                    for m in methods},
         "settings": {"model": base.name_or_path, "max_new_tokens": max_new_tokens, "sampling": sampling, "prompts": len(rows),
+                     "prompts_run": sum(len(r.turns) for r in rows),
                      "tree": "adaptive" if model.adaptive else f"fixed, {model.tree.num_nodes} nodes",
                      "fixed_tree_nodes": model.tree.num_nodes, "preset": preset,
                      "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype),
@@ -233,6 +257,34 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         result["verify_sizes"] = {size: {"steps": n, "share": n / total, "tokens_per_step": emitted / n}
                                   for size, (n, emitted) in sorted(verify_sizes.items())}
     return result
+
+
+def llamacpp_engines(base, tokenizer, methods: list[str], sampling: dict | None, n_tokens: int) -> dict:
+    """The llama.cpp methods' engines, built (once per machine) and loaded before any timing."""
+    from medusa_heads import llamacpp
+
+    wanted = [m for m in methods if m in LLAMACPP_METHODS]
+    if not wanted:
+        return {}
+    if sampling is not None:
+        raise ValueError("the llama.cpp methods decode greedily: leave out --do-sample or the llamacpp methods")
+    folder = llamacpp.model_folder(base, tokenizer)
+    threads = torch.get_num_threads()
+    n_ctx = 4096 + n_tokens
+    eos = eos_ids(getattr(base, "generation_config", None), base.config)
+    engines = {}
+    try:
+        for m in wanted:
+            kind = m.removeprefix("llamacpp-")
+            if kind in NGRAM_MODES:
+                engines[m] = llamacpp.Server(llamacpp.gguf(folder, "f32"), kind, threads, n_ctx, eos)
+            else:
+                engines[m] = llamacpp.Plain(llamacpp.gguf(folder, kind), threads, n_ctx)
+    except BaseException:
+        for engine in engines.values():
+            engine.close()
+        raise
+    return engines
 
 
 def prompt_name(i: int, row, turn: int | None = None) -> str:
@@ -266,6 +318,32 @@ def _against_lookup(result: dict) -> list[str]:
     return [lookup_verdict(overall["medusa"]["speedup_vs_hf"], overall["pld"]["speedup_vs_hf"])]
 
 
+def _against_llamacpp(result: dict) -> list[str]:
+    """The heads against llama.cpp on the same prompts: its plain decoding per weight format, and its best n-gram
+    self-speculation mode (with how many of its outputs differ from its own plain decoding)."""
+    overall = result["overall"]
+    plain = [m for m in LLAMACPP_METHODS if m in overall and plain_reference(m) is None]
+    ngram = [m for m in LLAMACPP_METHODS if m in overall and plain_reference(m) is not None]
+    if not plain and not ngram:
+        return []
+    lines = []
+    if "medusa" in overall:
+        ours = overall["medusa"]["tokens_per_s"]
+        rel = ", ".join(f"{ours / overall[m]['tokens_per_s']:.2f}× llama.cpp {m.removeprefix('llamacpp-').upper()} "
+                        f"({overall[m]['tokens_per_s']:.1f} tokens/s)" for m in plain)
+        lines.append(f"**Against llama.cpp**: the heads decode at {ours:.1f} tokens/s: {rel}.")
+    if ngram:
+        best = max(ngram, key=lambda m: overall[m]["tokens_per_s"])
+        b = overall[best]
+        ref = plain_reference(best)
+        vs = f", {b['tokens_per_s'] / overall[ref]['tokens_per_s']:.2f}× its plain F32" if ref in overall else ""
+        lines.append(f"llama.cpp's best n-gram self-speculation here is {best.removeprefix('llamacpp-')}: "
+                     f"{b['tokens_per_s']:.1f} tokens/s{vs}, τ {b['mean_accepted']:.2f}; "
+                     f"{b['mismatches_vs_plain']} of {result['settings']['prompts_run']} outputs differ from its "
+                     f"plain decoding.")
+    return lines
+
+
 def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -274,7 +352,8 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
     labels = {m: result.get("labels", {}).get(m, m) for m in methods}
     title = (f"{st.get('model') or 'model'}: {st['max_new_tokens']} new tokens, {_sampling_text(st['sampling'])}, "
              f"tree {st['tree']}")
-    lines = [f"# Benchmark: {title}", "", f"{_setup_text(st)}.", "", *_against_lookup(result), ""]
+    lines = [f"# Benchmark: {title}", "", f"{_setup_text(st)}.", "", *_against_lookup(result),
+             *_against_llamacpp(result), ""]
     header = "| category | method | tokens/s | tau | speed-up vs hf | mismatches | peak MB |"
     lines += [header, "|---|---|---|---|---|---|---|"]
     for cat, per in [("overall", result["overall"]), *result["by_category"].items()]:

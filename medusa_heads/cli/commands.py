@@ -503,7 +503,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise SystemExit(f"--batch-sizes {args.batch_sizes} needs at least {max(sizes)} prompts, {args.prompts} "
                              f"gives {len(rows)}")
     else:
-        methods = check_methods(args.methods.split(","))
+        try:
+            methods = check_methods(args.methods.split(","))
+        except ValueError as e:
+            raise SystemExit(f"--methods: {e}") from None
+        _prepare_llamacpp(methods, args)
     torch.set_num_threads(args.threads)
     model, tok = _load_medusa(args)
     cal = model.config.extra.get("calibration")
@@ -529,6 +533,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"calibrated tree: predicted tau {cal['predicted_tau']:.2f} / speed-up {cal['predicted_speedup']:.2f}; "
               f"measured tau {m['mean_accepted']:.2f} / speed-up {m['speedup_vs_hf']:.2f}")
     print(f"results written to {out}", file=sys.stderr)
+
+
+def _prepare_llamacpp(methods: list[str], args: argparse.Namespace) -> None:
+    """llama.cpp built for this CPU (once) before the model loads, so a failed build costs no load."""
+    from medusa_heads import llamacpp
+
+    wanted = [m for m in methods if m in llamacpp.METHODS]
+    if not wanted:
+        return
+    if args.do_sample:
+        raise SystemExit("--methods: the llama.cpp methods decode greedily; leave out --do-sample or the llamacpp methods")
+    try:
+        llamacpp.python_binding()
+        if any(llamacpp.plain_reference(m) for m in wanted):
+            llamacpp.server_binary()
+    except llamacpp.LlamaCppError as e:
+        raise SystemExit(f"llamacpp: {e}") from None
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
