@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
+from medusa_heads.calibration.machine import local_cost
 from medusa_heads.checkpoint import (
     base_fingerprint, check_fingerprint, is_reference_dir, load_config, load_heads, load_ngrams, load_reference,
     save_heads, save_ngrams,
@@ -87,15 +88,17 @@ class MedusaModel(nn.Module):
         """(acceptance, lookup table, cost model) stored for the kernels this model's verify runs on now (on this
         hardware where measured there: tree.adaptive.find_cost), parsed again only when the kernels
         (stock_kernels()) or config.adaptive change; None if not calibrated for them."""
-        key = cost_key(self.base_model, is_prepacked(self.base_model))
+        key = (cost_key(self.base_model, is_prepacked(self.base_model)), torch.get_num_threads())
         stored = self.config.adaptive or {}
         if self._adaptive_parts is None or self._adaptive_parts[:2] != (key, stored):
             found = find_cost(stored.get("cost", {}), self.base_model, is_prepacked(self.base_model))
-            parts = None
+            parts, origin = None, None
             if found and "acceptance" in stored:
                 lookup = LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None
-                parts = (Acceptance.from_dict(stored["acceptance"]), lookup, CostModel.from_dict(stored["cost"][found]))
-            self._adaptive_parts = (key, copy.deepcopy(stored), parts, found if parts else None)
+                # timed on another machine (calibration/machine.py): this one's, timed once and cached
+                cost, origin = local_cost(self, found, stored["cost"][found], CostModel.from_dict(stored["cost"][found]))
+                parts = (Acceptance.from_dict(stored["acceptance"]), lookup, cost)
+            self._adaptive_parts = (key, copy.deepcopy(stored), parts, found if parts else None, origin)
         return self._adaptive_parts[2]
 
     def cost_model(self) -> CostModel | None:
@@ -104,10 +107,11 @@ class MedusaModel(nn.Module):
         return parts[2] if parts else None
 
     def cost_model_key(self) -> str | None:
-        """Which stored cost model that is ("prepacked-float32-cpu-avx512"); where it names other hardware than
-        tree.adaptive.cost_key (this machine's), `medusa-heads calibrate --parts cost` measures this one."""
+        """Which stored cost model that is ("prepacked-float32-cpu-avx512"), and, where it was timed on another
+        machine, where this machine's came from (" (this machine's: measured)", "cached", "measured, not cached")."""
         self._adaptive_config()
-        return self._adaptive_parts[3]
+        key, origin = self._adaptive_parts[3], self._adaptive_parts[4]
+        return key if key is None or origin in (None, "stored") else f"{key} (this machine's: {origin})"
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod

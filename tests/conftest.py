@@ -1,11 +1,17 @@
 """Shared fixtures: tiny random models of several families, and the real SmolLM2-135M-Instruct."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers
 
 from medusa_heads import MedusaModel
+
+# Trees are sized by the cost tables the heads store, as they are: a test host must not time its own at first use
+# (calibration/machine.py; tests/test_machine_cost.py turns it on for itself).
+os.environ.setdefault("MEDUSA_HEADS_MACHINE_COSTS", "off")
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512,

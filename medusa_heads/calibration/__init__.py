@@ -51,6 +51,7 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     import torch
 
     from medusa_heads.calibration import measure, report
+    from medusa_heads.calibration.machine import machine_record
     from medusa_heads.checkpoint import save_config, save_ngrams
     from medusa_heads.inference.prepack import is_prepacked
     from medusa_heads.shards import load_segments
@@ -168,7 +169,8 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     if refused and cost is not None and refused.keys() & {"cost", "batch", "greedy"}:
         cost = None  # measured in this run on a loaded machine: the stored cost models stay as they were
     if acceptance or lookup or cost or phrases:
-        config.adaptive = measure.merge_adaptive(config.adaptive, acceptance, lookup, cost, phrases)
+        timed_here = machine_record(next(model.base_model.parameters()).device) if "cost" in parts else None
+        config.adaptive = measure.merge_adaptive(config.adaptive, acceptance, lookup, cost, phrases, timed_here)
         old = config.extra.get("adaptive_calibration", {})
         config.extra["adaptive_calibration"] = {**old, **{k: report.brief(k, v) for k, v in details.items() if k != "cost"}}
         if "cost" in details and cost is not None:

@@ -556,8 +556,11 @@ def measure_cost(target, heads, sizes: tuple[int, ...] = COST_SIZES, contexts: t
 
 
 def merge_adaptive(adaptive: dict | None, acceptance: Acceptance | None = None, lookup: LookupAcceptance | None = None,
-                   cost: tuple[str, CostModel] | None = None, ngrams: PhraseAcceptance | None = None) -> dict:
-    """config.adaptive with the parts given replaced; cost models are kept per kernels key, others left as they are."""
+                   cost: tuple[str, CostModel] | None = None, ngrams: PhraseAcceptance | None = None,
+                   machine: dict | None = None) -> dict:
+    """config.adaptive with the parts given replaced; cost models are kept per kernels key, others left as they are.
+    machine: the machine a new cost table was timed on (calibration/machine.py), kept beside it; without one, a
+    replaced table keeps the record it had (its batch or greedy part measured again on that machine)."""
     out = dict(adaptive or {})
     if ngrams is not None:
         out["ngrams"] = ngrams.to_dict()
@@ -566,5 +569,6 @@ def merge_adaptive(adaptive: dict | None, acceptance: Acceptance | None = None, 
     if lookup is not None:
         out["lookup"] = lookup.to_dict()
     if cost is not None:
-        out["cost"] = {**out.get("cost", {}), cost[0]: cost[1].to_dict()}
+        record = machine if machine is not None else out.get("cost", {}).get(cost[0], {}).get("machine")
+        out["cost"] = {**out.get("cost", {}), cost[0]: {**cost[1].to_dict(), **({"machine": record} if record else {})}}
     return out
