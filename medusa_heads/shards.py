@@ -50,12 +50,14 @@ def shard_paths(folder: str | os.PathLike) -> list[Path]:
     return sorted(Path(folder).glob("shard-*.safetensors"))
 
 
-def next_shard_path(folder: str | os.PathLike) -> Path:
+def next_shard_path(folder: str | os.PathLike, tag: str = "") -> Path:
+    """The next shard's path; `tag` (e.g. "r1": a process's rank) keeps the names of processes that write into one
+    folder at once apart ("shard-00007-r1"), and folders written apart merge by copying their files together."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     existing = shard_paths(folder)
     n = 1 + max((int(p.stem.split("-")[1]) for p in existing), default=-1)
-    return folder / f"shard-{n:05d}.safetensors"
+    return folder / f"shard-{n:05d}{'-' + tag if tag else ''}.safetensors"
 
 
 def feature_ids(folder: str | os.PathLike) -> set[str]:

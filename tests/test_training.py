@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -324,20 +327,69 @@ def test_distilled_answers_and_features_are_the_targets_own_batched_greedy_answe
         assert torch.equal(logits.argmax(-1), segs[f"{r.id}#0"].tokens)
 
 
-def test_training_on_two_processes_through_accelerate(tiny_data, tmp_path):
-    import subprocess
-    import sys
-
-    cfg = tmp_path / "r.yaml"
-    import yaml
-
-    cfg.write_text(yaml.safe_dump(recipe(tiny_data, tmp_path / "ddp", max_steps=6, save_every=3, eval_every=3).to_dict()))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "medusa_heads.cli", "train", "--config", str(cfg)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def _launch(n: int, *argv: str) -> subprocess.CompletedProcess:
+    """`accelerate launch` of n processes on this CPU: its torchrun launcher (--multi_gpu) with ACCELERATE_USE_CPU,
+    which makes them one gloo process group (`--cpu --num_processes n` alone starts one process)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n), "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "medusa_heads.cli", *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "ddp" / "heads.safetensors").is_file()
-    assert "step 6" in proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("soft_weight", [0.0, 0.5])
+def test_two_processes_train_the_heads_one_process_trains_on_the_same_global_batch(tiny_data, tmp_path, soft_weight):
+    """DDP through `accelerate launch`: each process takes half of every micro-batch and divides its loss by the
+    whole micro-batch's targets, so the heads are one process's on the same batch, to float rounding."""
+    import yaml
+    from safetensors.torch import load_file
+
+    common = dict(max_steps=6, save_every=3, eval_every=3, soft_weight=soft_weight, condition="path")
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump(recipe(tiny_data, tmp_path / "ddp", batch_size=32, **common).to_dict()))
+    proc = _launch(2, "train", "--config", str(two))
+    assert "step 6" in proc.stdout + proc.stderr and "2 processes" in proc.stdout + proc.stderr
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(recipe(tiny_data, tmp_path / "one", batch_size=64, **common))
+    finally:
+        torch.set_num_threads(threads)
+    a, b = load_file(tmp_path / "ddp" / "heads.safetensors"), load_file(tmp_path / "one" / "heads.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k].float(), b[k].float(), atol=2e-5, rtol=1e-4)
+    evals = [[json.loads(x) for x in (tmp_path / d / "train_log.jsonl").read_text().splitlines()][-1] for d in ("ddp", "one")]
+    assert evals[0]["top1_1"] == evals[1]["top1_1"] and abs(evals[0]["loss"] - evals[1]["loss"]) < 1e-4
+
+
+def test_features_shard_across_processes_and_merge_by_name(tiny_data, tmp_path):
+    """`accelerate launch --num_processes 2 ... features`: each process computes its share into one folder under
+    names of its own; together they are one process's features, and a rerun computes nothing."""
+    from medusa_heads.shards import load_segments, shard_paths
+    from medusa_heads.training.features import features_from_conversations
+
+    from conftest import tiny_model_with_tokenizer
+
+    tok, base = tiny_model_with_tokenizer(tmp_path / "model")
+    convs = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: " + "why? " * i},
+                                          {"role": "assistant", "content": f"Because {i} " + "so " * (2 * i)}]}
+             for i in range(10)]
+    append_conversations(tmp_path / "d.jsonl", convs)
+    proc = _launch(2, "features", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "d.jsonl"),
+                   "--features", str(tmp_path / "two"), "--no-prepack", "--threads", "1")
+    assert "process 0 of 2" in proc.stderr and "process 1 of 2" in proc.stderr
+    names = [p.name for p in shard_paths(tmp_path / "two")]
+    assert any(n.endswith("-r0.safetensors") for n in names) and any(n.endswith("-r1.safetensors") for n in names)
+    assert features_from_conversations(base, tok, convs, tmp_path / "one", batch_tokens=64) == 10
+    two = {s.id: s for s in load_segments(tmp_path / "two")}
+    one = {s.id: s for s in load_segments(tmp_path / "one")}
+    assert two.keys() == one.keys() and len(one) == 10
+    for k in one:
+        assert torch.equal(one[k].tokens, two[k].tokens)
+        torch.testing.assert_close(one[k].hidden.float(), two[k].hidden.float(), atol=0.02, rtol=0.02)  # bf16, other batches
+    assert features_from_conversations(base, tok, convs, tmp_path / "two") == 0
 
 
 def test_features_from_conversations_match_those_tapped_during_distillation(tmp_path, real_base):

@@ -7,6 +7,7 @@ atomically: hidden (N, H) bf16, tokens (N,) int32, offsets (S + 1,) int64, and t
 from __future__ import annotations
 
 import os
+import zlib
 
 import torch
 
@@ -40,31 +41,67 @@ def reused_segments(conversations: list[dict]) -> set[str]:
             for t, m in enumerate(m for m in c["messages"] if m["role"] == "assistant") if m.get("reused")}
 
 
+def process_shard() -> tuple[int, int]:
+    """(rank, world size) of this process under `accelerate launch` or `torchrun` (their RANK and WORLD_SIZE), else
+    (0, 1). Features need no communication between processes: each takes its share of the conversations."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def shard_of(conv_id: str, world: int) -> int:
+    return zlib.crc32(conv_id.encode()) % world
+
+
 @torch.no_grad()
 def features_from_conversations(model, tokenizer, conversations: list[dict], folder: str | os.PathLike,
-                                max_length: int = 2048, per_shard: int = 64) -> int:
-    """Features for conversations that have none in `folder` (data distilled elsewhere, or with --heads): one
-    forward per conversation over its chat-template tokens. Resumable: every `per_shard` segments go to disk, and a
-    rerun skips the conversations written. Returns the number of conversations computed."""
+                                max_length: int = 2048, per_shard: int = 64, batch_tokens: int = 8192,
+                                max_rows: int = 32, shard: tuple[int, int] = (0, 1), progress: bool = True) -> int:
+    """Features for conversations that have none in `folder` (data distilled elsewhere, by a server, or with
+    --heads): their chat-template tokens through the model in right-padded batches of up to `batch_tokens` padded
+    tokens (`max_rows` rows), longest first. shard (rank, world): this process takes the conversations whose id
+    hashes to its rank and names its files apart (process_shard(); several processes or machines share the work).
+    Resumable: every `per_shard` segments go to disk, and a rerun skips the conversations written. Returns the
+    number of conversations computed."""
     from tqdm import tqdm
 
+    rank, world = shard
     have = feature_ids(folder)
-    todo = [c for c in conversations if c["id"] not in have]
+    todo = [c for c in conversations if c["id"] not in have and shard_of(c["id"], world) == rank]
     reused = reused_segments(todo)
+    tag = f"r{rank}" if world > 1 else ""
+    encoded = sorted(((c, *conversation_ids(tokenizer, c["messages"], max_length)) for c in todo),
+                     key=lambda e: -e[1].shape[0])  # longest first: the largest batch is met first, and pads little
+    groups, group = [], []
+    for e in encoded:
+        if group and (len(group) + 1) * group[0][1].shape[0] > batch_tokens or len(group) == max_rows:
+            groups.append(group)
+            group = []
+        group.append(e)
+    if group:
+        groups.append(group)
     segments: list[Segment] = []
-    for conv in tqdm(todo, desc="features", unit="conv"):
-        ids, mask = conversation_ids(tokenizer, conv["messages"], max_length)
-        # the backbone's last hidden state is what every transformers causal LM feeds its LM head
-        hidden = model.base_model(ids[None].to(model.device)).last_hidden_state[0]  # (L, H): hidden[p] -> token p + 1
-        finished = [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]
-        for s in answer_segments(conv["id"], ids, mask, hidden, tokenizer.eos_token_id, finished):
-            if s.id in reused:
-                continue
-            segments.append(Segment(s.id, s.hidden.to(torch.bfloat16), s.tokens))
+    backbone = model.base_model
+    bar = tqdm(total=len(todo), desc="features" + (f" (process {rank} of {world})" if world > 1 else ""),
+               unit="conv", disable=not progress)
+    for group in groups:
+        width = group[0][1].shape[0]
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for j, (_, x, _) in enumerate(group):
+            ids[j, : x.shape[0]] = x
+            mask[j, : x.shape[0]] = 1
+        # the backbone's last hidden state is what every transformers causal LM feeds its LM head; right padding
+        # leaves every real token's causal context as it is
+        hidden = backbone(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).last_hidden_state
+        for j, (conv, x, loss_mask) in enumerate(group):
+            finished = [m.get("finished", True) for m in conv["messages"] if m["role"] == "assistant"]
+            h = hidden[j, : x.shape[0]]  # h[p] -> token p + 1
+            for s in answer_segments(conv["id"], x, loss_mask, h, tokenizer.eos_token_id, finished):
+                if s.id not in reused:
+                    segments.append(Segment(s.id, s.hidden.to(torch.bfloat16).cpu(), s.tokens))
+        bar.update(len(group))
         if len(segments) >= per_shard:
-            write_shard(next_shard_path(folder), segments)
+            write_shard(next_shard_path(folder, tag), segments)
             segments = []
-    write_shard(next_shard_path(folder), segments)
+    write_shard(next_shard_path(folder, tag), segments)
+    bar.close()
     return len(todo)
-
-

@@ -262,7 +262,11 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
     # accelerate keeps one state per process and refuses a second run's other mixed_precision (a notebook, a sweep):
     # each run sets its own (the process group, PartialState, stays as launched)
     AcceleratorState._reset_state()
-    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum)
+    # the schedule counts optimizer steps, whatever the number of processes: accelerate's default steps a prepared
+    # scheduler once per process at each optimizer step (for a per-process schedule), so N processes would decay
+    # the learning rate N times as fast as one process on the same global batch
+    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum,
+                              step_scheduler_with_optimizer=False)
     if deadline is not None and accelerator.num_processes > 1:
         raise ValueError("a training deadline needs one process (the processes would stop at different steps)")
     job = setup(convs, accelerator, ckpt, resume and ckpt.exists())
@@ -273,7 +277,9 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
     if main:
-        accelerator.print(f"data: {job.info}")
+        who = f" ({accelerator.num_processes} processes, {accelerator.distributed_type.value})" \
+            if accelerator.num_processes > 1 else ""
+        accelerator.print(f"data{who}: {job.info}")
         if step == 0:
             log({"kind": "data", **job.info})
         if step == 0 and job.eval_first:
@@ -290,8 +296,9 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}; the last good checkpoint is {ckpt}")
                 accelerator.backward(loss)
-                job.optimizer.step()  # accelerate's wrappers step only when the accumulated gradients are synced
-                job.scheduler.step()
+                job.optimizer.step()  # accelerate's wrapper steps only when the accumulated gradients are synced
+                if accelerator.sync_gradients:
+                    job.scheduler.step()
                 job.optimizer.zero_grad()
         step += 1
         if deadline is not None and time.time() > deadline and step < last:

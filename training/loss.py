@@ -10,24 +10,36 @@ IGNORE = -100
 
 
 def medusa_loss(head_logits: torch.Tensor, labels: torch.Tensor, decay: float = 0.8,
-                soft: "SoftTargets | None" = None, soft_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                soft: "SoftTargets | None" = None, soft_weight: float = 0.0,
+                shares: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """head_logits: (K, N, V') over the draft vocabulary; labels: (N, K) draft-vocabulary indices, IGNORE where
     there is no target (past the answer's end) or the token is outside the draft vocabulary.
     With `soft` and soft_weight = a, head k's term is (1 - a) * CE(labels) + a * CE(soft targets): the target's
     own distribution where it wrote the labelled token (Hydra's teacher loss), not just its choice.
-    Returns (loss, metrics) with metrics ce_k (the hard-label CE) for each head k = 1..K."""
+    shares (hard, soft), each (K,): what to divide each head's summed CE by instead of this batch's own count of
+    targets. A process's share of a global batch divides by the global count over the processes (their number
+    times less: DDP averages gradients), so that N processes train exactly as one process on the whole batch.
+    Returns (loss, metrics) with metrics ce_k (the hard-label CE of this batch) for each head k = 1..K."""
     k_heads = head_logits.shape[0]
     loss = head_logits.new_zeros((), dtype=torch.float32)
     metrics = {}
     for k in range(k_heads):
         logits = head_logits[k].float()
         ce = F.cross_entropy(logits, labels[:, k], ignore_index=IGNORE)
-        term = ce if torch.isfinite(ce) else logits.new_zeros(())  # a batch with no target for this head adds nothing
+        if shares is None:
+            term = ce if torch.isfinite(ce) else logits.new_zeros(())  # a batch with no target for this head adds nothing
+        else:
+            summed = F.cross_entropy(logits, labels[:, k], ignore_index=IGNORE, reduction="sum")
+            term = summed / shares[0][k] if shares[0][k] > 0 else logits.new_zeros(())
         if soft is not None and soft_weight > 0:
             valid = soft.valid[:, k]
-            if valid.any():
+            if valid.any() or shares is not None:
                 logp = logits[valid].log_softmax(-1).gather(-1, soft.index[valid, k])  # (n, m)
-                soft_ce = -(soft.prob[valid, k].float() * logp).sum(-1).mean()
+                per_row = -(soft.prob[valid, k].float() * logp).sum(-1)
+                if shares is None:
+                    soft_ce = per_row.mean()
+                else:
+                    soft_ce = per_row.sum() / shares[1][k] if shares[1][k] > 0 else logits.new_zeros(())
                 term = (1 - soft_weight) * term + soft_weight * soft_ce
         loss = loss + decay**k * term
         metrics[f"ce_{k + 1}"] = float(ce.detach())

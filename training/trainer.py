@@ -91,7 +91,7 @@ def _segments(recipe: TrainRecipe, convs: list[dict], base, accelerator) -> tupl
     todo = features_to_compute(recipe, convs, have, load_tokenizer(recipe.model), accelerator.num_processes) \
         if not {c["id"] for c in convs} <= have else []
     missing = sum(c["id"] not in have for c in convs)
-    if todo and accelerator.is_main_process:
+    if todo:
         if len(todo) < missing:
             accelerator.print(f"train: max_steps {recipe.max_steps} reads ~{recipe.max_steps * recipe.batch_size * recipe.grad_accum:,} "
                               f"answer tokens: features are computed for {len(todo):,} of the {missing:,} conversations "
@@ -99,8 +99,10 @@ def _segments(recipe: TrainRecipe, convs: list[dict], base, accelerator) -> tupl
                               "max_steps computes more)")
         else:
             accelerator.print(f"train: computing features for {len(todo):,} conversations into {recipe.features} "
-                              "before the first step (one forward of the model each)")
-        features_from_conversations(base.to(accelerator.device), load_tokenizer(recipe.model), todo, recipe.features)
+                              "before the first step (padded batches; each process a share)")
+        features_from_conversations(base.to(accelerator.device), load_tokenizer(recipe.model), todo, recipe.features,
+                                    shard=(accelerator.process_index, accelerator.num_processes),
+                                    progress=accelerator.is_main_process)
         base.cpu()
     accelerator.wait_for_everyone()
     known = ({c["id"] for c in convs} & have) | {c["id"] for c in todo}
@@ -142,14 +144,22 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
     per_step = recipe.batch_size * world
     order = lru_cache(1)(lambda epoch: torch.randperm(n, generator=torch.Generator().manual_seed(recipe.seed * 100_003 + epoch)))
 
-    def batch(epoch: int, p: int) -> torch.Tensor:  # (B,) split rows: this process's share of micro-batch p
-        return order(epoch)[p * per_step + rank * recipe.batch_size : p * per_step + (rank + 1) * recipe.batch_size]
+    def batch(epoch: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this process's share of micro-batch p, the whole micro-batch): split rows."""
+        whole = order(epoch)[p * per_step : (p + 1) * per_step]
+        return whole[rank * recipe.batch_size : (rank + 1) * recipe.batch_size], whole
 
-    def loss(idx: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def loss(rows: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        idx, whole = rows
         t = train_split.targets[idx]
         logits = model(train_split.hidden[idx].float(), train_split.context[idx])
         soft = soft_batch(teacher, idx, t) if teacher is not None else None
-        return medusa_loss(logits, t.masked_fill(t == OOV, IGNORE), recipe.decay, soft, recipe.soft_weight)[0], {}
+        # each head's targets over the whole micro-batch, every process's share (DDP averages over the processes):
+        # N processes then take the very steps one process takes on the whole micro-batch
+        every = train_split.targets[whole]
+        shares = (((every != IGNORE) & (every != OOV)).sum(0) / world, (every != IGNORE).sum(0) / world)
+        return medusa_loss(logits, t.masked_fill(t == OOV, IGNORE), recipe.decay, soft, recipe.soft_weight,
+                           shares)[0], {}
 
     def save(step: int) -> None:
         save_checkpoint(ckpt, lambda folder: save_heads(folder, accelerator.unwrap_model(model)), optimizer, scheduler, step, recipe)

@@ -192,10 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "already answered, after the same user turns, is taken from there instead of generated "
                         "again (marked reused: training counts it once)")
 
-    f = command("features", "hidden-state features for distilled conversations that have none", cmd_features)
+    f = command("features", "hidden-state features for distilled conversations that have none, in padded batches "
+                "(under `accelerate launch --num_processes N`: each process a share)", cmd_features)
     f.add_argument("--model", default=DEFAULT_MODEL, help="the target the conversations were distilled from")
     f.add_argument("--data", required=True, help="distilled conversations (JSONL, from `medusa-heads distill`)")
     f.add_argument("--features", required=True, help="folder of feature shards to add to")
+    f.add_argument("--batch-tokens", type=positive, default=8192, help="padded tokens per forward")
+    _device_arg(f)
     _prepack_arg(f)
     _threads_arg(f, 2)
 

@@ -410,17 +410,26 @@ def cmd_features(args: argparse.Namespace) -> None:
     import torch
 
     from medusa_heads.corpus import read_conversations
-    from medusa_heads.training.features import features_from_conversations
+    from medusa_heads.training.features import features_from_conversations, process_shard
 
     data = _data_file(args.data, "--data")
     if Path(args.features).exists() and not Path(args.features).is_dir():
         raise SystemExit(f"--features {args.features}: is a file; give the folder of feature shards")
     _check_model(args.model)
+    _check_device(args.device)
     conversations = read_conversations(data)
     torch.set_num_threads(args.threads)
-    base, tok = _load_base(args.model, prepack=args.prepack)
-    n = features_from_conversations(base, tok, conversations, args.features)
-    print(f"features: added {n} conversations to {args.features}", file=sys.stderr)
+    rank, world = process_shard()
+    device = args.device
+    if device == "cuda" and world > 1:  # one GPU a process, as accelerate launches them
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+    base, tok = _load_base(args.model, prepack=args.prepack and device in (None, "cpu"))
+    if device:
+        base.to(device)
+    n = features_from_conversations(base, tok, conversations, args.features, batch_tokens=args.batch_tokens,
+                                    shard=(rank, world))
+    who = f" (process {rank} of {world})" if world > 1 else ""
+    print(f"features{who}: added {n} conversations to {args.features}", file=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
