@@ -94,6 +94,7 @@ def distill(
                     continue
                 texts = [prompt_text(tokenizer, convs[i]) for i in asking]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=special)
+            enc = enc.to(model.device)
             torch.manual_seed(seed + zlib.crc32(group[asking[0]].id.encode()))  # same draws on a rerun
             with LMHeadTap(model, last_only=True) as tap:
                 if medusa is not None:
@@ -109,7 +110,7 @@ def distill(
                 answer = tokenizer.decode(row[:n], skip_special_tokens=True)
                 convs[i].append({"role": "assistant", "content": answer, "finished": n < len(row) or row[-1] in eos})
                 if features is not None and medusa is None:
-                    segments.append(Segment(f"{group[i].id}#{turn}", tap.hidden()[j, :n], new[j, :n]))
+                    segments.append(Segment(f"{group[i].id}#{turn}", tap.hidden()[j, :n].cpu(), new[j, :n].cpu()))
         written = [
             {"id": r.id, "source": r.source, "messages": c}
             for r, c in zip(group, convs)

@@ -186,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "SGLang, llama.cpp's server, ...), e.g. http://localhost:8000; checked first (tokenizer, a few "
                         "greedy answers against the target's own); --features then come from a separate pass")
     s.add_argument("--server-model", default=None, help="--server: the served model's name (default: the first listed)")
+    _device_arg(s)
     s.add_argument("--concurrency", type=positive, default=16, help="--server: requests in flight")
     s.add_argument("--reuse", default=None, metavar="JSONL",
                    help="conversations distilled before (e.g. the greedy answers to the same prompts): a turn they "

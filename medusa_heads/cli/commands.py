@@ -369,9 +369,12 @@ def cmd_distill(args: argparse.Namespace) -> None:
     _check_model(args.model)
     if args.server and (args.heads or args.reuse):
         raise SystemExit(f"--server answers every turn on the server: leave out {'--heads' if args.heads else '--reuse'}")
+    _check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    base, tok = _load_base(args.model, prepack=args.prepack)
+    base, tok = _load_base(args.model, prepack=args.prepack and args.device in (None, "cpu"))
+    if args.device:
+        base.to(args.device)
     if args.server:
         _distill_from_server(args, base, tok, rows)
         return
