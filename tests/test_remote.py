@@ -25,7 +25,8 @@ class FakeEngine:
     vLLM's /tokenize; `fail` (ids) answers HTTP 500 for prompts whose text contains them; `shift_tokens` gives
     another tokenizer's ids."""
 
-    def __init__(self, model, tokenizer, fail: tuple[str, ...] = (), shift_tokens: bool = False, tokenize: bool = True):
+    def __init__(self, model, tokenizer, fail: tuple[str, ...] = (), shift_tokens: bool = False, tokenize: bool = True,
+                 port: int = 0):
         self.model, self.tok, self.fail, self.shift, self.has_tokenize = model, tokenizer, fail, shift_tokens, tokenize
         self.requests = 0
         engine = self
@@ -45,6 +46,8 @@ class FakeEngine:
             def do_GET(self):
                 if self.path == "/v1/models":
                     return self._send(200, {"data": [{"id": "tiny"}]})
+                if self.path == "/health":
+                    return self._send(200, {})
                 self._send(404, {})
 
             def do_POST(self):
@@ -68,7 +71,7 @@ class FakeEngine:
                 self._send(200, {"choices": [{"text": engine.tok.decode(new[:n], skip_special_tokens=True),
                                               "finish_reason": "stop" if n < len(new) or (new and new[-1] == eos) else "length"}]})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -166,3 +169,63 @@ def test_the_command_line_distills_through_a_server_then_computes_features(targe
     with pytest.raises(SystemExit, match="leave out --heads"):
         main(["distill", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "e.jsonl"), "--server",
               engine.url, "--heads", "medusa_heads/default_heads"])
+
+
+FAKE_VLLM = """#!/bin/sh
+# stands in for a vLLM environment's python: `-m vllm.entrypoints.openai.api_server --model DIR --port P ...`
+exec {python} {tests}/test_remote.py "$@"
+"""
+
+
+def test_engine_vllm_starts_a_server_for_the_run_and_stops_it(target, tmp_path, capsys):
+    import os
+    import sys
+    from pathlib import Path
+
+    from medusa_heads.cli import main
+
+    tok, base = target
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_VLLM.format(python=sys.executable, tests=Path(__file__).parent))
+    fake.chmod(0o755)
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": r.id, "turns": r.turns}) + "\n" for r in ROWS))
+    main(["distill", "--model", str(tmp_path / "model"), "--prompts", str(tmp_path / "p.jsonl"), "--out",
+          str(tmp_path / "d.jsonl"), "--engine", "vllm", "--vllm-python", str(fake), "--max-new-tokens", "8",
+          "--no-prepack"])
+    err = capsys.readouterr().err
+    assert "distill: starting vLLM" in err and "server check: 'target'" in err and "'written': 4" in err
+    log = (tmp_path / "d.vllm.log").read_text()
+    assert "--served-model-name target" in log  # the command vLLM was given
+    distill(base, tok, ROWS, tmp_path / "local.jsonl", max_new_tokens=8, batch_size=1)
+    by_id = lambda f: {c["id"]: c["messages"] for c in read_conversations(tmp_path / f)}
+    assert by_id("d.jsonl") == by_id("local.jsonl")
+    pid = int(log.split("pid ", 1)[1].split()[0])
+    with pytest.raises(ProcessLookupError):  # stopped when the run ended
+        for _ in range(50):
+            os.kill(pid, 0)
+            import time
+
+            time.sleep(0.1)
+    with pytest.raises(SystemExit, match="^--vllm-python /nonexistent: no such interpreter$"):
+        main(["distill", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "e.jsonl"), "--engine",
+              "vllm", "--vllm-python", "/nonexistent"])
+
+
+if __name__ == "__main__":  # the stand-in vLLM server (FAKE_VLLM)
+    import argparse
+    import os
+    import sys
+    import time
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-m")
+    ap.add_argument("--model")
+    ap.add_argument("--port", type=int)
+    known, _ = ap.parse_known_args()
+    print(f"pid {os.getpid()} argv {' '.join(sys.argv[1:])}", flush=True)
+    FakeEngine(AutoModelForCausalLM.from_pretrained(known.model), AutoTokenizer.from_pretrained(known.model),
+               port=known.port)
+    while True:
+        time.sleep(1)

@@ -180,3 +180,75 @@ def distill_from_server(server: Server, tokenizer, rows: list[PromptRow], out: s
     if errors:
         counts["first_error"] = errors[0]
     return counts
+
+
+VLLM_PYTHON_ENV = "MEDUSA_HEADS_VLLM_PYTHON"
+
+
+def vllm_python(given: str | None = None) -> str:
+    """The interpreter of an environment with vLLM: `given`, else $MEDUSA_HEADS_VLLM_PYTHON, else .venv-vllm's
+    (`make vllm-setup`), else this one if it imports vllm. ServerError naming what to do if none has it."""
+    import importlib.util
+    import sys
+
+    for candidate in (given, os.environ.get(VLLM_PYTHON_ENV), ".venv-vllm/bin/python"):
+        if candidate:
+            if not Path(candidate).is_file():
+                if candidate == given:
+                    raise ServerError(f"--vllm-python {given}: no such interpreter")
+                continue
+            return candidate
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise ServerError("--engine vllm: no vLLM here; install it in an environment of its own (vLLM pins its own "
+                      "transformers; `make vllm-setup` makes .venv-vllm) or name its python with --vllm-python")
+
+
+class VllmEngine:
+    """vLLM's OpenAI-compatible server over the target, in a process of its own from the vLLM environment, started
+    here and stopped on exit (`with VllmEngine(...) as server:`); its log goes to `log`."""
+
+    def __init__(self, model_dir: str, python: str, log: Path, args: list[str] = (), timeout: float = 900.0) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+                    "127.0.0.1", "--port", str(self.port), "--served-model-name", "target", "--seed", "0", *args]
+        self.log, self.timeout, self.proc = Path(log), timeout, None
+
+    def __enter__(self) -> Server:
+        import signal
+        import subprocess
+
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=env)
+        self._signal = signal
+        server = Server(f"http://127.0.0.1:{self.port}", "target")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerError(f"vLLM exited ({self.proc.returncode}) before it was ready; its log: {self.log}")
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise ServerError(f"vLLM was not ready in {self.timeout:.0f} s; its log: {self.log}")
+            try:
+                with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return server
+            except OSError:
+                time.sleep(1)
+
+    def __exit__(self, *exc) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, self._signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, self._signal.SIGKILL)
+                self.proc.wait()

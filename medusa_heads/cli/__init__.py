@@ -185,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the answers from an OpenAI-compatible completions server that serves the target (vLLM, "
                         "SGLang, llama.cpp's server, ...), e.g. http://localhost:8000; checked first (tokenizer, a few "
                         "greedy answers against the target's own); --features then come from a separate pass")
+    s.add_argument("--engine", choices=["vllm"], default=None,
+                   help="take the answers from vLLM, started here for this run in its own environment (--vllm-python) "
+                        "and stopped after; as --server otherwise")
+    s.add_argument("--vllm-python", default=None, help="--engine vllm: the python of an environment with vLLM "
+                   "(default: $MEDUSA_HEADS_VLLM_PYTHON, else .venv-vllm/bin/python from `make vllm-setup`)")
+    s.add_argument("--vllm-args", default=None, help="--engine vllm: more flags for vLLM's server, e.g. "
+                   "'--dtype float32 --max-model-len 2048 --tensor-parallel-size 8'")
     s.add_argument("--server-model", default=None, help="--server: the served model's name (default: the first listed)")
     _device_arg(s)
     s.add_argument("--concurrency", type=positive, default=16, help="--server: requests in flight")

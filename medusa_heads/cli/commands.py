@@ -367,8 +367,19 @@ def cmd_distill(args: argparse.Namespace) -> None:
         raise SystemExit(f"--features {args.features}: is a file; give the folder to keep feature shards in")
     _check_heads(args.heads)
     _check_model(args.model)
-    if args.server and (args.heads or args.reuse):
-        raise SystemExit(f"--server answers every turn on the server: leave out {'--heads' if args.heads else '--reuse'}")
+    remote = "--server" if args.server else "--engine" if args.engine else None
+    if remote and (args.heads or args.reuse):
+        raise SystemExit(f"{remote} answers every turn on the server: leave out {'--heads' if args.heads else '--reuse'}")
+    if args.server and args.engine:
+        raise SystemExit("--server and --engine both name where the answers come from: give one")
+    vllm_py = None
+    if args.engine:
+        from medusa_heads.training.remote import ServerError, vllm_python
+
+        try:
+            vllm_py = vllm_python(args.vllm_python)
+        except ServerError as e:
+            raise SystemExit(str(e)) from None
     _check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -377,6 +388,21 @@ def cmd_distill(args: argparse.Namespace) -> None:
         base.to(args.device)
     if args.server:
         _distill_from_server(args, base, tok, rows)
+        return
+    if args.engine:
+        import shlex
+
+        from medusa_heads.default_model import resolve_model
+        from medusa_heads.training.remote import ServerError, VllmEngine
+
+        log = Path(args.out).with_suffix(".vllm.log")
+        print(f"distill: starting vLLM ({vllm_py}) on {args.model}; its log: {log}", file=sys.stderr)
+        try:
+            with VllmEngine(str(resolve_model(args.model)), vllm_py, log, shlex.split(args.vllm_args or "")) as server:
+                args.server, args.server_model = server.url, server.model
+                _distill_from_server(args, base, tok, rows)
+        except ServerError as e:
+            raise SystemExit(f"--engine vllm: {e}") from None
         return
     medusa = MedusaModel.from_pretrained(base, heads=args.heads, allow_base_mismatch=args.allow_base_mismatch) if args.heads else None
     counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
