@@ -143,6 +143,16 @@ def python_binding():
     return llama_cpp
 
 
+def _converter_deps() -> None:
+    """What llama.cpp's converter imports besides torch, transformers and numpy (its own gguf package is vendored
+    beside it): sentencepiece, which it tries first for every Llama-style vocabulary."""
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is None:
+        _run([sys.executable, "-m", "pip", "install", "sentencepiece>=0.1.98,<0.3.0"], home() / "pip-converter.log",
+             "installing the converter's sentencepiece")
+
+
 def server_binary() -> Path:
     """llama.cpp's server, built once from the same vendored source with the same options."""
     binary = home() / "build" / "bin" / "llama-server"
@@ -205,6 +215,7 @@ def gguf(folder: Path, weights: str) -> Path:
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     if weights == "f32":
         converter = sdist() / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
+        _converter_deps()
         print(f"llamacpp: converting {folder} to GGUF F32 with llama.cpp's converter", file=sys.stderr)
         _run([sys.executable, str(converter), str(folder), "--outtype", "f32", "--outfile", str(tmp)],
              out_dir / "convert.log", f"llama.cpp's converter on {folder}")
