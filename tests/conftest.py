@@ -15,6 +15,16 @@ os.environ.setdefault("MEDUSA_HEADS_MACHINE_COSTS", "off")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core: one thread each, none oversubscribed
     torch.set_num_threads(1)
 
+@pytest.fixture(autouse=True)
+def _threads_as_they_were():
+    """A command run in-process sets torch's threads (`--threads`, default 2): set back after each test, so that a
+    worker keeps its one thread and two workers never oversubscribe two cores."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512,
             initializer_range=0.2)  # peaked logits: no near-ties that float noise could flip

@@ -25,8 +25,15 @@ STORED = CostModel(contexts=(8, 40), sizes=(1, 2, 32), ms=((10.0, 10.0, 12.0), (
 @pytest.fixture
 def machine_costs(monkeypatch, tmp_path):
     """Machine costs on (conftest turns them off for every other test), and a cache of this test's own."""
+    import medusa_heads.calibration as calibration
+
     monkeypatch.delenv(machine.ENV, raising=False)
     monkeypatch.setenv("MEDUSA_HEADS_CACHE", str(tmp_path / "cache"))
+    # the test host's own load (other test workers) must not decide these tests: an idle machine, and a tiny
+    # model's timings judged by the load alone (test_timings_from_a_busy_machine_... sets a busy one)
+    monkeypatch.setattr(machine.os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+    real_problem = calibration.timing_problem
+    monkeypatch.setattr(calibration, "timing_problem", lambda before, after, threads, tables=(): real_problem(before, after, threads))
     timed = []
     real = machine.quick_cost
     monkeypatch.setattr(machine, "quick_cost", lambda *a, **k: timed.append(1) or real(*a, **k))

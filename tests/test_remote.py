@@ -206,7 +206,7 @@ def test_engine_vllm_starts_a_server_for_the_run_and_stops_it(target, tmp_path, 
             import time
 
             time.sleep(0.1)
-    with pytest.raises(SystemExit, match="^--vllm-python /nonexistent: no such interpreter$"):
+    with pytest.raises(SystemExit, match="--vllm-python /nonexistent: no such interpreter$"):
         main(["distill", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "e.jsonl"), "--engine",
               "vllm", "--vllm-python", "/nonexistent"])
 

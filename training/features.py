@@ -98,10 +98,10 @@ def features_from_conversations(model, tokenizer, conversations: list[dict], fol
             for s in answer_segments(conv["id"], x, loss_mask, h, tokenizer.eos_token_id, finished):
                 if s.id not in reused:
                     segments.append(Segment(s.id, s.hidden.to(torch.bfloat16).cpu(), s.tokens))
+            if len(segments) >= per_shard:  # whole conversations a shard: an interruption loses what is not written
+                write_shard(next_shard_path(folder, tag), segments)
+                segments = []
         bar.update(len(group))
-        if len(segments) >= per_shard:
-            write_shard(next_shard_path(folder, tag), segments)
-            segments = []
     write_shard(next_shard_path(folder, tag), segments)
     bar.close()
     return len(todo)
