@@ -9,8 +9,8 @@ import transformers
 
 from medusa_heads import MedusaModel
 
-# Trees are sized by the cost tables the heads store, as they are: a test host must not time its own at first use
-# (calibration/machine.py; tests/test_machine_cost.py turns it on for itself).
+# Trees are sized by the cost tables the heads store, as they are (the default): a test host must not time its own at
+# first use (calibration/machine.py, opt-in; tests/test_machine_cost.py turns it on for itself).
 os.environ.setdefault("MEDUSA_HEADS_MACHINE_COSTS", "off")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core: one thread each, none oversubscribed
     torch.set_num_threads(1)

@@ -24,10 +24,10 @@ STORED = CostModel(contexts=(8, 40), sizes=(1, 2, 32), ms=((10.0, 10.0, 12.0), (
 
 @pytest.fixture
 def machine_costs(monkeypatch, tmp_path):
-    """Machine costs on (conftest turns them off for every other test), and a cache of this test's own."""
+    """Machine costs on (they are opt-in), and a cache of this test's own."""
     import medusa_heads.calibration as calibration
 
-    monkeypatch.delenv(machine.ENV, raising=False)
+    monkeypatch.setenv(machine.ENV, "on")
     monkeypatch.setenv("MEDUSA_HEADS_CACHE", str(tmp_path / "cache"))
     # the test host's own load (other test workers) must not decide these tests: an idle machine, and a tiny
     # model's timings judged by the load alone (test_timings_from_a_busy_machine_... sets a busy one)
@@ -103,10 +103,11 @@ def test_timings_from_a_busy_machine_are_used_but_never_cached(machine_costs, mo
     assert machine_costs == [1, 1]
 
 
-def test_the_switch_keeps_the_stored_tables(machine_costs, monkeypatch):
-    monkeypatch.setenv(machine.ENV, "off")
-    _, model = stored_elsewhere()
-    assert model.cost_model() == STORED and machine_costs == []
+def test_without_the_switch_the_stored_tables_size_the_trees(machine_costs, monkeypatch):
+    for value in ("off", ""):
+        monkeypatch.setenv(machine.ENV, value)
+        _, model = stored_elsewhere()
+        assert model.cost_model() == STORED and machine_costs == []
 
 
 def test_batches_and_greedy_savings_are_read_through_this_machines_plain_step():

@@ -10,6 +10,10 @@ measurement. Timings taken while other work runs are used for that process only 
 
 What the quick measurement reads from the stored table rather than measuring: the batch tables and the greedy
 verify's savings, scaled at each context by how this machine's plain step compares with the stored one.
+
+It is opt-in (MEDUSA_HEADS_MACHINE_COSTS=on): on the one machine it was measured on (a 2-core Intel Xeon, the shipped
+heads' tables from an AMD EPYC) the trees it sized gained nothing (2.15x `generate` against the stored tables'
+2.18x), and a run whose few timings were disturbed lost (1.96x against 2.12x; results/ab/machine_cost_ab.md).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from medusa_heads.tree.adaptive import CostModel
 
 QUICK_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the sizes timed at first use (CostModel interpolates the rest)
 QUICK_REPEATS = 2
-ENV = "MEDUSA_HEADS_MACHINE_COSTS"  # "off": use the stored tables as they are, wherever they were measured
+ENV = "MEDUSA_HEADS_MACHINE_COSTS"  # "on": time this machine's tables at first use; else the stored ones as they are
 _lock = threading.Lock()
 
 
@@ -123,7 +127,7 @@ def local_cost(model, key: str, stored_dict: dict, stored: CostModel, log=None) 
     "measured, not cached": timings taken on a busy machine). Measures at most once per process and machine."""
     from medusa_heads.calibration import timing_problem
 
-    if os.environ.get(ENV, "").lower() in ("0", "off", "no", "false"):
+    if os.environ.get(ENV, "").lower() not in ("1", "on", "yes", "true"):  # opt-in: see the module's docstring
         return stored, "stored"
     device = next(model.base_model.parameters()).device
     here = machine_record(device)
