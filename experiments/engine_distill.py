@@ -21,14 +21,22 @@ ROOT = Path(__file__).resolve().parent.parent
 OFFLINE = r'''
 import json, sys, time
 from vllm import LLM, SamplingParams
-spec = json.load(open(sys.argv[1]))
-llm = LLM(model=spec["model"], dtype="float32", max_model_len=2048, enforce_eager=True, seed=0)
-t0 = time.perf_counter()
-outs = llm.generate([{"prompt_token_ids": ids} for ids in spec["prompts"]],
-                    SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"]), use_tqdm=True)
-seconds = time.perf_counter() - t0
-json.dump({"seconds": seconds, "answers": [[o.outputs[0].text, o.outputs[0].finish_reason != "length"] for o in outs]},
-          open(sys.argv[2], "w"))
+
+
+def main():  # under __main__: vLLM starts its engine in a spawned process
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["model"], dtype="float32", max_model_len=2048, enforce_eager=True, seed=0)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in spec["prompts"]],
+                        SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"]), use_tqdm=True)
+    seconds = time.perf_counter() - t0
+    json.dump({"seconds": seconds,
+               "answers": [[o.outputs[0].text, o.outputs[0].finish_reason != "length"] for o in outs]},
+              open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()
 '''
 
 
