@@ -11,15 +11,14 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
-import time
 import urllib.request
 from pathlib import Path
 
 from medusa_heads.default_model import cache_dir
+from medusa_heads.local_server import LocalServer, free_port
 
 VERSION = "0.3.36"  # llama-cpp-python, the llama.cpp it vendors included; what the bench is pinned to
 WEIGHTS = ("f32", "bf16", "q8_0")
@@ -264,28 +263,13 @@ class Server:
     def __init__(self, path: Path, mode: str, threads: int, n_ctx: int = 4096, eos: list[int] = ()) -> None:
         binary = server_binary()
         self.eos = list(eos)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.log = home() / f"server-{mode}.log"
         cmd = [str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(n_ctx),
                "-t", str(threads), "-tb", str(threads), "-np", "1", "--no-webui", "--spec-type", mode,
                *NGRAM_MODES[mode]]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise LlamaCppError(f"llama.cpp's server ({mode}) exited at start; its log: {self.log}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                self.close()
-                raise LlamaCppError(f"llama.cpp's server ({mode}) was not ready in 120 s; its log: {self.log}")
-            time.sleep(0.2)
+        self._server = LocalServer(cmd, self.port, self.log, f"llama.cpp's server ({mode})", LlamaCppError)
+        self._server.start(timeout=120)
 
     def generate(self, ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> tuple[list[int], int]:
         """(new token ids, target forwards: one per accepted-or-rejected verify, from the server's draft counts)."""
@@ -303,9 +287,4 @@ class Server:
         return tokens, max(len(tokens) - accepted, 1)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self._server.stop(grace=10)

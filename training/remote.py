@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_heads.corpus import PromptRow, append_conversations, read_conversations
+from medusa_heads.local_server import LocalServer, free_port
 from medusa_heads.prompting import has_chat_template, prompt_text
 
 
@@ -209,46 +210,16 @@ class VllmEngine:
     here and stopped on exit (`with VllmEngine(...) as server:`); its log goes to `log`."""
 
     def __init__(self, model_dir: str, python: str, log: Path, args: list[str] = (), timeout: float = 900.0) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
                     "127.0.0.1", "--port", str(self.port), "--served-model-name", "target", "--seed", "0", *args]
-        self.log, self.timeout, self.proc = Path(log), timeout, None
+        self.log, self.timeout = Path(log), timeout
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        self._server = LocalServer(self.cmd, self.port, self.log, "vLLM", ServerError, env=env)
 
     def __enter__(self) -> Server:
-        import signal
-        import subprocess
-
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=env)
-        self._signal = signal
-        server = Server(f"http://127.0.0.1:{self.port}", "target")
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise ServerError(f"vLLM exited ({self.proc.returncode}) before it was ready; its log: {self.log}")
-            if time.monotonic() > deadline:
-                self.__exit__()
-                raise ServerError(f"vLLM was not ready in {self.timeout:.0f} s; its log: {self.log}")
-            try:
-                with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return server
-            except OSError:
-                time.sleep(1)
+        self._server.start(self.timeout)
+        return Server(self._server.url, "target")
 
     def __exit__(self, *exc) -> None:
-        import subprocess
-
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, self._signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, self._signal.SIGKILL)
-                self.proc.wait()
+        self._server.stop()
