@@ -25,12 +25,13 @@ def medusa_loss(head_logits: torch.Tensor, labels: torch.Tensor, decay: float = 
     metrics = {}
     for k in range(k_heads):
         logits = head_logits[k].float()
-        ce = F.cross_entropy(logits, labels[:, k], ignore_index=IGNORE)
         if shares is None:
+            ce = F.cross_entropy(logits, labels[:, k], ignore_index=IGNORE)
             term = ce if torch.isfinite(ce) else logits.new_zeros(())  # a batch with no target for this head adds nothing
         else:
             summed = F.cross_entropy(logits, labels[:, k], ignore_index=IGNORE, reduction="sum")
             term = summed / shares[0][k] if shares[0][k] > 0 else logits.new_zeros(())
+            ce = summed.detach() / (labels[:, k] != IGNORE).sum()  # this batch's own mean, as without shares
         if soft is not None and soft_weight > 0:
             valid = soft.valid[:, k]
             if valid.any() or shares is not None:
