@@ -134,7 +134,7 @@ def local_cost(model, key: str, stored_dict: dict, stored: CostModel, log=None) 
     record = stored_dict.get("machine")
     if same_machine(record, here):
         return stored, "stored"
-    path = cache_path(here, key, {k: v for k, v in stored_dict.items()})
+    path = cache_path(here, key, stored_dict)
     log = log or (lambda msg: print(msg, file=sys.stderr))
     with _lock:
         if path.is_file():
