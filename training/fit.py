@@ -3,9 +3,15 @@
 It orchestrates the library: distill (greedy and sampled answers, features kept during generation), train (a
 recipe from choose_recipe), calibrate, and a short held-out bench against generate. Every decision that sizes a
 phase (how many answers, how many steps) is measured on the spot, then written into DIR/fit_state.json before the
-phase runs, so a rerun after a kill continues with the same numbers and ends with the same heads."""
+phase runs, so a rerun after a kill continues with the same numbers and ends with the same heads.
+
+The answers come from this process (transformers' generate, features kept during generation) or, with a server
+(`server=URL`, any OpenAI-compatible completions endpoint of the target) or a vLLM started for the phase
+(`engine="vllm"`), from there, checked against the target first; their features then come from a separate pass
+(training/features.py) within the same phase and its time."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +37,8 @@ SELF_PROMPT_TOKENS = 96  # longest prompt the model writes (a longer one is drop
 MIN_STEPS = 20
 BENCH_TOKENS = 64  # new tokens a bench prompt
 STATE = "fit_state.json"
+FEATURES_CHUNK = 256  # answers a features call when they come from a server: the state (time spent) is saved after each
+SERVER_CHECK_TIMEOUT = 10.0  # seconds the server has to list its models before the model loads
 SOURCE_CAPS = {"gsm8k-train": 2000}  # the shipped heads' distill cap (configs/train/smollm2-135m.yaml): GSM8K is
 # 7,500 of the 12,126 training prompts
 
@@ -126,6 +134,68 @@ def take(pool: list[PromptRow], n: int, fraction: float) -> list[PromptRow]:
     return rows
 
 
+# ---- where the answers come from -----------------------------------------------------------------------------------
+
+def answer_source(server: str | None = None, server_model: str | None = None, concurrency: int | None = None,
+                  engine: str | None = None, vllm_python: str | None = None,
+                  vllm_args: str | list[str] | None = None) -> dict:
+    """fit's answer source from its options: {"kind": "transformers"} (this process), {"kind": "server", "url",
+    "model", "concurrency"} or {"kind": "vllm", "python", "args", "concurrency"}. ValueError (one line) for options
+    that do not go together; nothing is contacted here (check_source does that)."""
+    import shlex
+
+    if server and engine:
+        raise ValueError("--server and --engine both name where the answers come from: give one")
+    if engine not in (None, "vllm"):
+        raise ValueError(f"--engine takes vllm, got {engine!r}")
+    if server_model and not server:
+        raise ValueError("--server-model names the model served at --server: give --server URL too")
+    if concurrency is not None and not (server or engine):
+        raise ValueError("--concurrency is the number of requests in flight to --server or --engine: give one")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"--concurrency must be positive, got {concurrency}")
+    for flag, given in (("--vllm-python", vllm_python), ("--vllm-args", vllm_args)):
+        if given and engine != "vllm":
+            raise ValueError(f"{flag} is for --engine vllm: give --engine vllm too, or leave it out")
+    if server:
+        return {"kind": "server", "url": server.rstrip("/").removesuffix("/v1"), "model": server_model,
+                "concurrency": concurrency or 16}
+    if engine:
+        args = shlex.split(vllm_args) if isinstance(vllm_args, str) else list(vllm_args or [])
+        return {"kind": "vllm", "python": vllm_python, "args": args, "concurrency": concurrency or 16}
+    return {"kind": "transformers"}
+
+
+def check_source(source: dict) -> dict:
+    """Before the model loads: the server answers (its served model's name is filled in), or vLLM's python is found.
+    ValueError in one line if not."""
+    from medusa_heads.training.remote import Server, ServerError, vllm_python
+
+    try:
+        if source["kind"] == "server":
+            source["model"] = Server(source["url"], source.get("model"), timeout=SERVER_CHECK_TIMEOUT).served_model()
+        elif source["kind"] == "vllm":
+            source["python"] = vllm_python(source.get("python"))
+    except ServerError as e:
+        raise ValueError(("--server: " if source["kind"] == "server" else "") + str(e)) from None
+    return source
+
+
+def source_text(source: dict | None) -> str:
+    """Where the answers come from, for the plan, the log and the report."""
+    kind = (source or {}).get("kind", "transformers")
+    if kind == "server":
+        return f"the server {source.get('model')!r} at {source['url']}"
+    if kind == "vllm":
+        return f"vLLM started for the phase ({source.get('python')})"
+    return "this process (transformers' generate)"
+
+
+def _source_flag(source: dict) -> str:
+    return {"server": f"--server {source.get('url')}", "vllm": "--engine vllm"}.get(source["kind"],
+                                                                                   "neither --server nor --engine")
+
+
 # ---- the command ---------------------------------------------------------------------------------------------------
 
 class Clock:
@@ -155,8 +225,14 @@ def plan_text(state: dict, clock: Clock) -> str:
            "bench": plan["bench_s"]}
     lines = [f"fit: budget {clock.budget / 60:.1f} min, {clock.spent() / 60:.1f} min spent "
              f"(the target generates {1 / plan['per_token']:.1f} tokens/s here)"]
+    source = state.get("source") or {"kind": "transformers"}
     for p in PHASES:
         what = f"done in {done[p]['seconds']:.0f} s" if p in done else f"~{est[p] / 60:.1f} min"
+        if p == "distill" and source["kind"] != "transformers":
+            parts = done.get(p) or state.get("distill_parts") or {}
+            what += (f" (answers {parts.get('answers_s', 0):.0f} s, features {parts.get('features_s', 0):.0f} s)"
+                     if p in done else "")
+            what += f": answers from {source_text(source)}, their features in a separate pass"
         lines.append(f"  {p:<10} {what}")
     if cal_bench > left:  # the target is slower here than the budget allows (another job running, or a big model)
         lines.append(f"  calibrate and the bench alone need ~{cal_bench / 60:.1f} min of the {left / 60:.1f} left: the "
@@ -221,10 +297,15 @@ def _first_line(e: BaseException) -> str:
 def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, force_cost: bool = False,
         prompts: list[str] | None = None, bench_prompts: str = "data/bench_prompts.jsonl",
         bench_files: list[str] | None = None, max_answers: int = 0, max_steps: int = 0,
-        stop_after: str | None = None, started: float | None = None, log=print) -> dict:
+        stop_after: str | None = None, started: float | None = None, log=print, server: str | None = None,
+        server_model: str | None = None, concurrency: int | None = None, engine: str | None = None,
+        vllm_python: str | None = None, vllm_args: str | list[str] | None = None) -> dict:
     """Run (or continue) every phase not yet done in `out`; returns the report. max_answers / max_steps > 0 cap
     what the budget would buy (tests, or a smaller run); stop_after ends after that phase (a test hook); started:
-    when the budget's clock started (default: now)."""
+    when the budget's clock started (default: now). server (an OpenAI-compatible server of the target; server_model:
+    its served name, default the first listed) or engine="vllm" (vllm_python, vllm_args: vLLM's server started for
+    the phase): the answers come from there, `concurrency` requests in flight, and their features from a separate
+    pass; a rerun takes the same kind of source while distill is not done."""
     from medusa_heads.loading import load_base, load_tokenizer
     from medusa_heads.training.loop import crash_point
 
@@ -238,6 +319,15 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
             was = f"{state[key] / 60:g}m" if key == "budget_s" else state[key]
             raise ValueError(f"{out} holds a fit started with {flag} {was}: rerun with that to continue it, or "
                              "choose another --out")
+    source = answer_source(server, server_model, concurrency, engine, vllm_python, vllm_args)
+    if "distill" not in state.get("done", {}):  # where the answers come from; once distilled, no server is needed
+        recorded = state.get("source") or ({"kind": "transformers"} if "plan" in state else None)
+        if recorded and recorded["kind"] != source["kind"]:
+            raise ValueError(f"{out} holds a fit whose answers come from {source_text(recorded)}: rerun with "
+                             f"{_source_flag(recorded)} to continue it, or choose another --out")
+        if not state.get("distill_parts", {}).get("answers_done"):
+            state["source"] = check_source(source)  # before the model loads
+        # else the answers are all in: the source that gave them stays recorded, and no server is needed
     state.setdefault("model", str(model))
     state.setdefault("seed", seed)
     state.setdefault("budget_s", budget_s)
@@ -285,8 +375,10 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
             if phase == "distill":
                 seconds = max(plan["distill_by"] - clock.spent(), 0)
                 log(f"fit: distill, ~{seconds / 60:.1f} min")
-                finish(phase, t0, **_distill(base, tok, state, out, data, seconds, fraction, prompts, bench_files,
-                                             max_answers, log, save))
+                remote = state.get("source", {}).get("kind", "transformers") != "transformers"
+                run = _distill_remote if remote else _distill
+                finish(phase, t0, **run(base, tok, state, out, data, seconds, fraction, prompts, bench_files,
+                                        max_answers, log, save))
             elif phase == "train":
                 seconds = max(clock.left() - fixed, 0)
                 log(f"fit: train, ~{seconds / 60:.1f} min")
@@ -314,19 +406,12 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
     return report
 
 
-def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_files, max_answers, log, save) -> dict:
-    """Greedy answers to the first prompts, then sampled ones to the first of those: as many as the phase's time
-    buys, measured on the first batch; features kept during generation."""
-    from tqdm import tqdm
-
-    from medusa_heads.corpus import read_conversations
+def _prompt_pool(state, tok, prompts, bench_files) -> tuple[list[str], bool, list[str], list[PromptRow]]:
+    """(prompt files, whether the model's own prompts join them, bench files, the pool: decontaminated, capped,
+    shuffled, short enough)."""
     from medusa_heads.default_model import DEFAULT_MODEL
     from medusa_heads.prompting import has_chat_template
-    from medusa_heads.training.distill import distill
-    from medusa_heads.training.loop import crash_point
-    from medusa_heads.training.self_prompts import write_self_prompts
 
-    t0 = time.time()
     files = prompts or ["data/train_prompts.jsonl.gz"]
     chat = prompts is None and has_chat_template(tok)
     if chat and str(state["model"]) == DEFAULT_MODEL:
@@ -334,6 +419,22 @@ def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_file
     bench = bench_files if bench_files is not None else sorted(str(p) for p in Path("data").glob("bench_prompts*.jsonl"))
     pool = [r for r in subsample(training_prompts(files, bench, state["seed"]), SOURCE_CAPS, state["seed"])
             if sum(map(len, r.turns)) <= state["rules"]["max_prompt_chars"]]
+    return files, chat, bench, pool
+
+
+def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_files, max_answers, log, save) -> dict:
+    """Greedy answers to the first prompts, then sampled ones to the first of those: as many as the phase's time
+    buys, measured on the first batch; features kept during generation."""
+    from tqdm import tqdm
+
+    from medusa_heads.corpus import read_conversations
+    from medusa_heads.default_model import DEFAULT_MODEL
+    from medusa_heads.training.distill import distill
+    from medusa_heads.training.loop import crash_point
+    from medusa_heads.training.self_prompts import write_self_prompts
+
+    t0 = time.time()
+    files, chat, bench, pool = _prompt_pool(state, tok, prompts, bench_files)
     tokens, batch = state["rules"]["max_new_tokens"], 16
     kw = dict(max_new_tokens=tokens, batch_size=batch, seed=state["seed"], features=out / "features")
     if "answers" not in state:  # one batch, timed, sizes the phase
@@ -389,6 +490,157 @@ def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_file
         log(f"fit: distill stopped at its deadline, {time.time() - t0:.0f} s")
     return {"greedy": len(read_conversations(data[0])), "sampled": len(read_conversations(data[1])),
             "stopped_at_deadline": stopped}
+
+
+@contextlib.contextmanager
+def _serving(state: dict, out: Path, log):
+    """The answers' server for the phase: the one given, or a vLLM started here and stopped on leaving."""
+    from medusa_heads.training.remote import Server, VllmEngine
+
+    source = state["source"]
+    if source["kind"] == "server":
+        yield Server(source["url"], source.get("model"))
+        return
+    from medusa_heads.default_model import resolve_model
+
+    log(f"fit: starting vLLM ({source['python']}) on {state['model']}; its log: {out / 'vllm.log'}")
+    with VllmEngine(str(resolve_model(state["model"])), source["python"], out / "vllm.log", source["args"]) as server:
+        source["url"], source["model"] = server.url, server.model
+        yield server
+
+
+def _distill_remote(base, tok, state, out, data, seconds, fraction, prompts, bench_files, max_answers, log,
+                    save) -> dict:
+    """Answers from a server (or a vLLM started here), then their features in a separate pass, both within the
+    phase's time: the server is checked against the target, one batch of answers and then its features are timed,
+    and the phase's share sets how many answers follow (44% sampled, as in _distill); answers stop being asked for
+    when the features of those written would no longer fit before the phase's end (1.1× its share). Resumable:
+    answers written are kept (distill_from_server skips them), features written are kept (the pass skips them)."""
+    from tqdm import tqdm
+
+    from medusa_heads.corpus import read_conversations
+    from medusa_heads.shards import feature_ids
+    from medusa_heads.training.features import features_from_conversations
+    from medusa_heads.training.loop import crash_point
+    from medusa_heads.training.remote import ServerError, check_server, distill_from_server
+
+    t0 = time.time()
+    deadline = t0 + 1.1 * seconds
+    source = state["source"]
+    _, _, _, pool = _prompt_pool(state, tok, prompts, bench_files)
+    parts = state.setdefault("distill_parts", {"answers_s": 0.0, "features_s": 0.0})
+    folder = out / "features"
+    data[1].touch()
+    mark = [time.time()]
+
+    def tick(part: str) -> None:  # the time since the last tick goes to `part` ("answers_s" or "features_s")
+        now = time.time()
+        parts[part] += now - mark[0]
+        mark[0] = now
+
+    def lacking() -> list[dict]:  # answers without features yet
+        have = feature_ids(folder) if folder.is_dir() else set()
+        return [c for p in data for c in read_conversations(p) if c["id"] not in have]
+
+    def features(convs: list[dict]) -> int:
+        bar = tqdm(total=len(convs), desc="features (a separate pass)", unit="answer")
+        for i in range(0, len(convs), FEATURES_CHUNK):  # the time spent saved after each chunk
+            features_from_conversations(base, tok, convs[i : i + FEATURES_CHUNK], folder, progress=False)
+            bar.update(len(convs[i : i + FEATURES_CHUNK]))
+            tick("features_s")
+            save()
+            crash_point("distill-features")
+        bar.close()
+        return len(convs)
+
+    def asked(counts: dict) -> dict:
+        if counts["failed"] and not counts["written"]:
+            raise ServerError(f"every request failed ({counts['failed']}; the first: {counts['first_error']})")
+        if counts["failed"]:
+            log(f"fit: {counts['failed']} requests failed (the first: {counts['first_error']}); left out")
+        return counts
+
+    stopped = False
+    if not parts.get("answers_done"):
+        with _serving(state, out, log) as server:
+            state["server_check"] = check_server(server, base, tok, pool, log=log)
+            tick("answers_s")
+            save()
+            kw = dict(max_new_tokens=state["rules"]["max_new_tokens"], concurrency=source.get("concurrency", 16),
+                      seed=state["seed"], progress=False)
+            if "answers" not in state:  # one batch of answers, then its features, timed, size the phase
+                cap = max_answers or len(pool)
+                size = min(max(16, kw["concurrency"]), cap)  # every request in flight at once, at least
+                s, written, k = time.time(), 0, 1
+                while True:  # after a kill in it, the next batch: rows already answered are skipped
+                    first = take(pool, min(k * size, cap), fraction)
+                    written += asked(distill_from_server(server, tok, first, data[0], **kw))["written"]
+                    if written >= size or k * size >= cap:
+                        break
+                    k += 1
+                per_answer = (time.time() - s) / max(written, 1)
+                tick("answers_s")
+                save()
+                s, todo = time.time(), lacking()
+                features(todo)
+                per_feature = (time.time() - s) / max(len(todo), 1)
+                done_now = sum(len(read_conversations(p)) for p in data)
+                n = done_now + int(max(seconds - (time.time() - t0), 0) / (per_answer + per_feature))
+                n = max(min(n, cap, 2 * len(pool)), len(first))  # the first batch alone makes working heads
+                greedy = max(n - int(n * state["rules"]["sampled_share"]), len(first))
+                state["answers"] = {"greedy": greedy, "sampled": n - greedy, "self_prompts": 0,
+                                    "timed": min(k * size, cap), "timed_answers": done_now,
+                                    "seconds_per_answer": per_answer,
+                                    "features_seconds_per_answer": per_feature, "prompts_available": len(pool),
+                                    "files": _prompt_pool(state, tok, prompts, bench_files)[0]}
+                save()
+                log(f"fit: {per_answer:.2f} s an answer from {source_text(source)}, {per_feature:.2f} s its features: "
+                    f"{greedy} greedy and {n - greedy} sampled answers in ~{n * (per_answer + per_feature):.0f} s "
+                    f"(answers ~{n * per_answer:.0f} s, features ~{n * per_feature:.0f} s)")
+            a = state["answers"]
+            per_feature = a["features_seconds_per_answer"]
+            pending = len(lacking())
+            asked_now = [0]  # answers written in the jobs so far, each to be featurized later
+
+            def over(counts: dict | None = None) -> bool:
+                """Whether an answer more would leave too little time for the features of those written."""
+                if time.time() - mark[0] > 5:  # the time spent, saved now and then
+                    tick("answers_s")
+                    save()
+                if counts is not None:
+                    crash_point("distill")  # an answer of the phase written
+                written = asked_now[0] + (counts["written"] if counts else 0)
+                return time.time() + per_feature * (pending + written) > deadline
+
+            greedy = take(pool, a["greedy"], fraction)
+            sampled = as_variant(take(pool, a["sampled"], fraction), SAMPLED_VARIANT) if a["sampled"] else []
+            have = {c["id"] for p in data for c in read_conversations(p)}
+            bar = tqdm(total=len(greedy) + len(sampled), initial=sum(r.id in have for r in greedy + sampled),
+                       desc=f"distill (greedy, then sampled; {source['kind']})", unit="answer")
+            for rows, path, temperature in ((greedy, data[0], 0.0), (sampled, data[1], 0.7)):
+                if stopped or over():
+                    stopped = True
+                    break
+                counts = asked(distill_from_server(server, tok, rows, path, temperature=temperature, stop=over, **kw))
+                asked_now[0] += counts["written"]
+                bar.update(counts["written"])
+                stopped = counts["stopped"]
+            bar.close()
+        tick("answers_s")  # the engine stopped too
+        parts["answers_done"], parts["stopped"] = True, stopped
+        save()
+        if stopped:
+            log(f"fit: answers stopped at {time.time() - t0:.0f} s, to leave their features time before the "
+                "phase's end")
+    todo = lacking()
+    if todo:
+        log(f"fit: features of {len(todo)} answers, ~{len(todo) * state['answers']['features_seconds_per_answer']:.0f} s")
+        features(todo)
+    check = state.get("server_check") or {}
+    return {"greedy": len(read_conversations(data[0])), "sampled": len(read_conversations(data[1])),
+            "stopped_at_deadline": parts.get("stopped", False), "source": dict(source), "answers_s": parts["answers_s"],
+            "features_s": parts["features_s"], "greedy_checked": check.get("greedy_checked"),
+            "greedy_differ": check.get("greedy_differ"), "tokenizer": check.get("tokenizer")}
 
 
 def _train(base, state, out, data, seconds, deadline, max_steps, log, save) -> dict:
@@ -506,6 +758,11 @@ def write_report(state: dict, out: Path) -> dict:
         "model": state["model"], "budget_s": state["budget_s"], "spent_s": state.get("spent_s"),
         "phases_s": {p: d[p]["seconds"] for p in PHASES},
         "answers": {k: d["distill"][k] for k in ("greedy", "sampled")},
+        "answers_source": {**d["distill"].get("source", {"kind": "transformers"}),
+                           **{k: d["distill"][k] for k in ("tokenizer", "greedy_checked", "greedy_differ")
+                              if k in d["distill"]}},
+        "distill_parts_s": ({"answers": d["distill"]["answers_s"], "features": d["distill"]["features_s"]}
+                            if "answers_s" in d["distill"] else None),
         "train_tokens": d["train"]["train_tokens"], "eval_tokens": d["train"]["eval_tokens"],
         "steps": d["train"]["steps"], "held_out_top1": d["train"]["top1"], "recipe": state["rules"],
         "calibration": {"untrusted_timings": d["calibrate"]["untrusted_timings"], "forced": d["calibrate"]["forced"]},
@@ -516,6 +773,15 @@ def write_report(state: dict, out: Path) -> dict:
     b, r = report["bench"], report["recipe"]["recipe"]
     tree = "the per-step tree (calibrated)" if b["per_step_tree"] else "the fixed tree (no trusted cost model: " \
         f"{report['calibration']['untrusted_timings'] or 'none measured'})"
+    src, parts = report["answers_source"], report["distill_parts_s"]
+    if src["kind"] == "transformers":
+        origin = f"{source_text(src)}, features kept during generation"
+    else:
+        differ = (f"; {src['greedy_differ']} of {src['greedy_checked']} greedy answers checked differ from the "
+                  "target's own" if src.get("greedy_checked") is not None else "")
+        origin = f"{source_text(src)}{differ}; features in a separate pass"
+    phases = ", ".join(f"{p} {s:.0f} s" + (f" (answers {parts['answers']:.0f} s, features {parts['features']:.0f} s)"
+                                            if p == "distill" and parts else "") for p, s in report["phases_s"].items())
     verdict = []
     if b["pld_speedup"] is not None:  # the first lines say whether the training paid against the free baseline
         from medusa_heads.cli.bench import lookup_verdict
@@ -523,9 +789,10 @@ def write_report(state: dict, out: Path) -> dict:
         verdict = [lookup_verdict(b["speedup"], b["pld_speedup"], "on this model"), ""]
     md = [f"# fit: {state['model']}", "", *verdict,
           f"Budget {state['budget_s'] / 60:.1f} min, spent {report['spent_s'] / 60:.1f} min "
-          f"({', '.join(f'{p} {s:.0f} s' for p, s in report['phases_s'].items())}; the rest: loading).", "",
+          f"({phases}; the rest: loading).", "",
           "| what the budget bought | |", "|---|---|",
           f"| answers | {report['answers']['greedy']} greedy + {report['answers']['sampled']} sampled (T 0.7) |",
+          f"| answers from | {origin} |",
           f"| answer tokens | {report['train_tokens']:,} training, {report['eval_tokens']:,} held out |",
           f"| heads | {r['num_heads']} × {r['condition']}-conditioned, mlp {r['mlp_size']}, draft vocabulary {r['draft_vocab_size']} |",
           f"| training steps | {report['steps']} |",
@@ -539,4 +806,4 @@ def write_report(state: dict, out: Path) -> dict:
     return report
 
 
-__all__ = ["PHASES", "PhaseFailed", "choose_recipe", "fit", "make_plan", "parse_budget", "plan_text", "process_start", "training_prompts"]
+__all__ = ["PHASES", "PhaseFailed", "answer_source", "check_source", "choose_recipe", "fit", "make_plan", "parse_budget", "plan_text", "process_start", "training_prompts"]

@@ -132,17 +132,19 @@ def check_server(server: Server, model, tokenizer, rows: list[PromptRow], n: int
 def distill_from_server(server: Server, tokenizer, rows: list[PromptRow], out: str | os.PathLike, *,
                         max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                         max_prompt_tokens: int = 1024, concurrency: int = 16, seed: int = 0,
-                        progress: bool = True) -> dict:
+                        progress: bool = True, stop=None) -> dict:
     """Answer every row not yet in `out` through `server`, `concurrency` requests in flight, and append one
     conversation per row as its last turn is answered (turns of a row in order). Returns counts like `distill`:
-    done before, written now, skipped (prompt too long), failed (requests that raised; a rerun retries them)."""
+    done before, written now, skipped (prompt too long), failed (requests that raised; a rerun retries them).
+    stop: called with the counts so far as each row is done; once it returns True the rows not yet sent are left
+    (a rerun asks them), those in flight are still written, and counts["stopped"] is True."""
     from tqdm import tqdm
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_conversations(out, repair=True)}
     todo = [r for r in rows if r.id not in done]
-    counts = {"done_before": len(done), "written": 0, "skipped_too_long": 0, "failed": 0}
+    counts = {"done_before": len(done), "written": 0, "skipped_too_long": 0, "failed": 0, "stopped": False}
     lock = threading.Lock()
     errors: list[str] = []
 
@@ -165,6 +167,8 @@ def distill_from_server(server: Server, tokenizer, rows: list[PromptRow], out: s
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         futures = {pool.submit(answer, r): r for r in todo}
         for f in as_completed(futures):
+            if f.cancelled():  # left by `stop`
+                continue
             try:
                 conv = f.result()
             except Exception as e:  # noqa: BLE001 - one failed request must not lose the others' answers
@@ -176,6 +180,10 @@ def distill_from_server(server: Server, tokenizer, rows: list[PromptRow], out: s
                     append_conversations(out, [conv])
                     counts["written"] += 1
             bar.update(1)
+            if stop is not None and not counts["stopped"] and stop(counts):
+                counts["stopped"] = True
+                for other in futures:
+                    other.cancel()  # those not yet running; the ones in flight finish and are written
     bar.close()
     counts["seconds"] = round(time.perf_counter() - t0, 1)
     if errors:

@@ -322,6 +322,21 @@ def build_parser() -> argparse.ArgumentParser:
     fi.add_argument("--seed", type=int, default=0, help="prompt order, sampling and training data order")
     fi.add_argument("--stop-after", choices=["distill", "train", "calibrate", "bench"], default=None,
                     help="stop after this phase (a rerun continues)")
+    fi.add_argument("--server", default=None, metavar="URL",
+                    help="take the answers from an OpenAI-compatible completions server that serves the model (vLLM, "
+                         "SGLang, llama.cpp's server, ...), e.g. http://localhost:8000; checked first (tokenizer, a "
+                         "few greedy answers against the model's own); their features then come from a separate pass "
+                         "within distill's time")
+    fi.add_argument("--server-model", default=None, help="--server: the served model's name (default: the first listed)")
+    fi.add_argument("--engine", choices=["vllm"], default=None,
+                    help="take the answers from vLLM, started for the distill phase in its own environment "
+                         "(--vllm-python) and stopped after; as --server otherwise")
+    fi.add_argument("--vllm-python", default=None, help="--engine vllm: the python of an environment with vLLM "
+                    "(default: $MEDUSA_HEADS_VLLM_PYTHON, else .venv-vllm/bin/python from `make vllm-setup`)")
+    fi.add_argument("--vllm-args", default=None, help="--engine vllm: more flags for vLLM's server, e.g. "
+                    "'--dtype float32 --max-model-len 2048'")
+    fi.add_argument("--concurrency", type=positive, default=None,
+                    help="--server, --engine: requests in flight (default: 16)")
     _threads_arg(fi, None)
     return p
 

@@ -620,9 +620,12 @@ def _prepare_llamacpp(methods: list[str], args: argparse.Namespace) -> None:
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
-    from medusa_heads.training.fit import fit, parse_budget, process_start
+    from medusa_heads.training.fit import answer_source, fit, parse_budget, process_start
 
     budget = parse_budget(args.budget)
+    remote = dict(server=args.server, server_model=args.server_model, concurrency=args.concurrency,
+                  engine=args.engine, vllm_python=args.vllm_python, vllm_args=args.vllm_args)
+    answer_source(**remote)  # options that do not go together: one line before anything else
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise SystemExit(f"--out {args.out}: is a file; give a folder for the heads")
     prompts = [_data_file(f, "--prompts") for f in args.prompts] if args.prompts else None
@@ -636,7 +639,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     fit(args.model, budget, args.out, seed=args.seed, force_cost=args.force_cost, prompts=prompts,
         bench_prompts=args.bench_prompts, max_answers=args.max_answers or 0, max_steps=args.max_steps or 0,
-        stop_after=args.stop_after, started=process_start(), log=lambda m: print(m, file=sys.stderr))
+        stop_after=args.stop_after, started=process_start(), log=lambda m: print(m, file=sys.stderr), **remote)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
