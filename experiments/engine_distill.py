@@ -4,7 +4,7 @@ offline LLM.generate in its own environment, then the same features pass); the s
 decoding; how many of vLLM's answers equal transformers'. Each contender runs alone, one after another, on an idle
 machine; the answers and features stay in --out for training heads on each.
 
-    python experiments/engine_distill.py --limit 256 --max-new-tokens 256 --out runs/engine
+    python experiments/engine_distill.py --limit 256 --max-new-tokens 256 --out runs/engine [--features-dtype bf16]
 """
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--features-dtype", choices=["fp32", "bf16"], default="bf16",
+                    help="the dtype of the features pass over vLLM's answers (`features --dtype`)")
     ap.add_argument("--out", default="runs/engine")
     ap.add_argument("--table", default="results/engine/throughput.md")
     args = ap.parse_args()
@@ -72,6 +74,7 @@ def main() -> None:
     rows = read_prompts(prompts)
     model = str(default_model_path())
     base, tok = load_base(model), load_tokenizer(model)
+    pass_base = base if args.features_dtype == "fp32" else load_base(model, dtype=torch.bfloat16)
     times: dict[str, dict] = json.loads((out / "times.json").read_text()) if (out / "times.json").is_file() else {}
 
     def save() -> None:
@@ -91,8 +94,9 @@ def main() -> None:
                         str(args.concurrency), "--max-new-tokens", str(args.max_new_tokens)], check=True)
         answers = time.perf_counter() - t0
         t1 = time.perf_counter()
-        features_from_conversations(base, tok, read_conversations(out / "server.jsonl"), out / "server-features")
+        features_from_conversations(pass_base, tok, read_conversations(out / "server.jsonl"), out / "server-features")
         times["vllm server"] = {"answers_s": answers, "features_s": time.perf_counter() - t1,
+                                "features_dtype": args.features_dtype,
                                 "note": "includes vLLM's start and the server check"}
         save()
     if "vllm in-process" not in times:
@@ -115,9 +119,11 @@ def main() -> None:
                                                            {"role": "assistant", "content": text, "finished": fin}]}
             for r, (text, fin) in zip(rows, res["answers"])])
         t1 = time.perf_counter()
-        features_from_conversations(base, tok, read_conversations(out / "offline.jsonl"), out / "offline-features")
+        features_from_conversations(pass_base, tok, read_conversations(out / "offline.jsonl"),
+                                    out / "offline-features")
         times["vllm in-process"] = {"answers_s": total, "generate_s": res["seconds"],
-                                    "features_s": time.perf_counter() - t1, "note": "answers_s includes vLLM's start"}
+                                    "features_s": time.perf_counter() - t1, "features_dtype": args.features_dtype,
+                                    "note": "answers_s includes vLLM's start"}
         save()
     ref = {c["id"]: c["messages"][-1]["content"] for c in read_conversations(out / "hf.jsonl")}
     n = len(rows)
@@ -138,7 +144,8 @@ def main() -> None:
         lines.append(f"| {name} | {t['answers_s']:.0f} s | {t['features_s']:.0f} s | {rate:,.0f} | "
                      f"{rate / base_rate:.2f}× | {same}/{len(ref)} |")
     lines += ["", "transformers keeps features while it generates (batch of "
-              f"{args.batch_size}); vLLM's answers get theirs from `features` after (padded batches). The server's "
+              f"{args.batch_size}); vLLM's answers get theirs from `features --dtype {args.features_dtype}` after "
+              "(padded batches; the target in that dtype for the pass, the features stored in bf16 either way). The server's "
               f"time includes starting vLLM and the server check; {args.concurrency} requests in flight."]
     Path(args.table).parent.mkdir(parents=True, exist_ok=True)
     Path(args.table).write_text("\n".join(lines) + "\n")

@@ -392,6 +392,34 @@ def test_features_shard_across_processes_and_merge_by_name(tiny_data, tmp_path):
     assert features_from_conversations(base, tok, convs, tmp_path / "two") == 0
 
 
+def test_features_in_bf16_are_the_fp32_features_to_bf16_precision(tmp_path):
+    """`features --dtype bf16` runs the target in bf16 (the cheap pass on a CPU with bf16 kernels, the serving dtype on
+    a GPU): the same segments and tokens as fp32, hidden states within bf16's error, and not the fp32 ones exactly."""
+    from medusa_heads.cli import main
+    from medusa_heads.shards import load_segments
+
+    from conftest import tiny_model_with_tokenizer
+
+    tiny_model_with_tokenizer(tmp_path / "model")
+    convs = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: " + "why? " * i},
+                                          {"role": "assistant", "content": f"Because {i} " + "so " * (2 * i)}]}
+             for i in range(6)]
+    append_conversations(tmp_path / "d.jsonl", convs)
+    for dtype in ("fp32", "bf16"):
+        main(["features", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "d.jsonl"), "--features",
+              str(tmp_path / dtype), "--dtype", dtype, "--threads", "1"])
+    f32 = {s.id: s for s in load_segments(tmp_path / "fp32")}
+    b16 = {s.id: s for s in load_segments(tmp_path / "bf16")}
+    assert f32.keys() == b16.keys() and len(f32) == 6
+    differ = 0
+    for k in f32:
+        assert torch.equal(f32[k].tokens, b16[k].tokens)
+        a, b = f32[k].hidden.float(), b16[k].hidden.float()
+        assert float((a - b).norm() / a.norm()) < 0.05
+        differ += not torch.equal(a, b)
+    assert differ > 0  # the pass really ran in bf16
+
+
 def test_features_from_conversations_match_those_tapped_during_distillation(tmp_path, real_base):
     from medusa_heads.training import distill as distill_mod
     from medusa_heads.shards import load_segments

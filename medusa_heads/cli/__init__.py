@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--data", required=True, help="distilled conversations (JSONL, from `medusa-heads distill`)")
     f.add_argument("--features", required=True, help="folder of feature shards to add to")
     f.add_argument("--batch-tokens", type=positive, default=8192, help="padded tokens per forward")
+    f.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the dtype the target runs in for this pass (features are stored in bf16 either way); bf16 is "
+                        "about 3x faster on a CPU with AMX or AVX-512 bf16, and the target's serving dtype on a GPU")
     _device_arg(f)
     _prepack_arg(f)
     _threads_arg(f, 2)

@@ -452,7 +452,7 @@ def cmd_features(args: argparse.Namespace) -> None:
     device = args.device
     if device == "cuda" and world > 1:  # one GPU a process, as accelerate launches them
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
-    base, tok = _load_base(args.model, prepack=args.prepack and device in (None, "cpu"))
+    base, tok = _load_base(args.model, dtype=args.dtype, prepack=args.prepack and device in (None, "cpu"))
     if device:
         base.to(device)
     n = features_from_conversations(base, tok, conversations, args.features, batch_tokens=args.batch_tokens,
