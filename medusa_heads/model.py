@@ -22,6 +22,7 @@ from medusa_heads.heads import MedusaHeads
 from medusa_heads.inference.adaptive import AdaptiveDrafter, DraftObserver
 from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
+from medusa_heads.inference.exact_attention import register as register_exact_attention, rows_invariant
 from medusa_heads.inference.plan import ADAPTIVE, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
@@ -144,11 +145,16 @@ class MedusaModel(nn.Module):
         (drafting is a few rows per level, where the stock kernels are slowest); new heads (heads=None) are not.
         Default (None): on when this call loads the base itself onto the CPU, off for a model passed in. Loaded heads
         on a CPU are packed either way: they are this library's, not the caller's.
+        A bf16 base that this call loads onto a CPU whose bf16 products give a row the same bits whatever the rows
+        beside it gets the row-exact attention (inference/exact_attention.py) unless base_kwargs name another
+        attn_implementation: greedy output is then its plain greedy decoding token for token (which is transformers'
+        eager attention's). For a bf16 model passed in, `use_exact_attention(model)` does the same.
         draft_dtype: the dtype the loaded heads draft in. Default (None): bf16 on a CPU with oneDNN bf16 kernels
         (a drafting level is memory-bound: half the bytes, ~30% less drafting time, the same drafts but for rare
         near-ties), else the base's dtype. New heads (heads=None) keep the base's dtype, for training. Output is the
         target's whatever the heads' dtype."""
         if not isinstance(base, PreTrainedModel):
+            base_kwargs = exact_attention_kwargs(base_kwargs)
             base = load_base(base, prepack=False, **base_kwargs)  # packed below, after an adapter is merged
             if prepack is None:
                 prepack = base.device.type == "cpu" and packs(base.dtype)
@@ -385,3 +391,13 @@ def _shipped_heads_for(base: PreTrainedModel, fingerprint: dict) -> tuple[Path |
     except ValueError:
         return None, None
     return path, config
+
+
+def exact_attention_kwargs(base_kwargs: dict) -> dict:
+    """from_pretrained's loading arguments, with the row-exact attention for a bf16 model bound for this CPU (where
+    its products are row-invariant) unless the caller chose an attention."""
+    if base_kwargs.get("dtype", base_kwargs.get("torch_dtype")) != torch.bfloat16 or "attn_implementation" in base_kwargs:
+        return base_kwargs
+    if base_kwargs.get("device_map") not in (None, "cpu") or not rows_invariant(torch.bfloat16):
+        return base_kwargs
+    return {**base_kwargs, "attn_implementation": register_exact_attention()}

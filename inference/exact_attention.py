@@ -1,0 +1,126 @@
+"""An attention whose every row is computed as if it were alone: what makes a tree verify in bf16 give, row for row,
+the logits that plain decoding gives.
+
+Why: a verify appends a whole tree in one forward, and each node's row must equal the plain step that would have
+computed that token. In fp32 the two differ by rounding only (~1e-5: argmax ties are all that could flip). In bf16
+they differ by ~0.3 in the logits, and greedy output leaves plain decoding's at near-ties. Two things make a row
+depend on the others:
+- transformers' SDPA path runs PyTorch's fused CPU kernel, whose blocking depends on the query length;
+- in a tree, a node's visible keys (the prefix, then its ancestors) are interleaved with masked ones (its cousins),
+  and a softmax sums over the row in vector lanes: a masked key in the middle shifts the later keys to other lanes.
+
+This attention is transformers' eager attention (the same products, scaling, softcap, mask, fp32 softmax) made
+row-exact:
+- before the softmax, each row's keys are put in the order visible first (in their cache order, which is position
+  order), masked last; for the product with the values, each such row gets its values in that same order. Visible
+  first is exactly the order plain decoding sees, and masked keys at the end add exact zeros;
+- the keys are padded (masked, zero values) to whole blocks of 64, so that no kernel meets a tail whose rounding
+  depends on the length, and the query heads that share a key head are rows of one product.
+Plain decoding with it differs from eager decoding only by that rounding (both are bf16 attention with an fp32
+softmax); what it guarantees is that a verify's row and a plain step agree bit for bit.
+
+The products (q k^T, p v) and the linears must also give a row the same result whatever the number of rows: the
+oneDNN bf16 kernels do (tests/test_exact.py checks the kernels of the CPU it runs on, `rows_invariant`); MKL's fp32
+ones do not, which is why fp32 stays "equal up to rounding".
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+NAME = "medusa_exact"
+WIDTH = 64  # products and softmax run over a multiple of this many keys (masked, zero padding at the end)
+
+
+def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                    softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' attention-interface signature: query (B, Hq, T, D), key and value (B, Hkv, N, D), an additive
+    float mask (B, 1, T, >= N) -> (output (B, T, Hq, D), probabilities (B, Hq, T, N))."""
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{NAME}: attention sinks are not supported; load this model with "
+                         "attn_implementation='eager' or 'sdpa'")
+    b, hq, t, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    groups = hq // hkv
+    # each kv head's query heads as rows of one product (no copies of the keys); a row's bits do not depend on the
+    # rows beside it (rows_invariant), so this is the per-head product
+    weights = torch.matmul(query.reshape(b, hkv, groups * t, d), key.transpose(2, 3)).view(b, hq, t, n) * scaling
+    if softcap is not None:
+        weights = torch.tanh(weights / softcap) * softcap
+    width = n + (-n % WIDTH)  # keys padded to whole blocks: the products' and the softmax's kernels see no tail
+    order = None
+    if attention_mask is not None:
+        mask = attention_mask[..., :n]
+        if mask.dtype == torch.bool:  # True: attend
+            mask = torch.zeros(mask.shape, dtype=weights.dtype, device=mask.device).masked_fill_(
+                ~mask, torch.finfo(weights.dtype).min)
+        weights = weights + mask
+        hidden = mask == torch.finfo(mask.dtype).min
+        if bool((hidden[..., :-1] & ~hidden[..., 1:]).any()):  # a masked key before a visible one
+            order = torch.sort(hidden.to(torch.int8), dim=-1, stable=True).indices  # (B, 1, T, N): visible first
+            weights = weights.gather(-1, order.expand_as(weights))
+    weights = nn.functional.pad(weights, (0, width - n), value=torch.finfo(weights.dtype).min)
+    probs = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)  # (B, Hq, T, width)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    values = nn.functional.pad(value, (0, 0, 0, width - n))  # (B, Hkv, width, D), zeros past the keys
+    if order is None:
+        out = torch.matmul(probs.view(b, hkv, groups * t, width), values).view(b, hq, t, d)
+        return out.transpose(1, 2).contiguous(), None
+    # each row's values in its own order, so that a visible key meets the same place in the product as in plain
+    # decoding (masked keys, now last, add exact zeros): (B, Hkv, T, width, D), one copy of the values per row
+    order = nn.functional.pad(order[:, 0], (0, width - n))  # (B, T, width)
+    order[..., n:] = torch.arange(n, width, device=order.device)
+    rows = torch.stack([values[i][:, order[i]] for i in range(b)])
+    out = torch.matmul(probs.view(b, hkv, groups, t, width).transpose(2, 3), rows)  # (B, Hkv, T, groups, D)
+    return out.transpose(2, 3).reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def register() -> str:
+    """Registers the attention (and eager's mask builder for it) with transformers; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(NAME, exact_attention)
+    AttentionMaskInterface.register(NAME, eager_mask)
+    return NAME
+
+
+def use_exact_attention(model) -> None:
+    """Switch a loaded model to this attention (`generate` on it then is the plain decoding that the heads' greedy
+    output equals)."""
+    model.set_attn_implementation(register())
+
+
+def uses_exact_attention(model) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == NAME
+
+
+@functools.cache
+def rows_invariant(dtype: torch.dtype, device: str = "cpu", sizes: tuple[tuple[int, int], ...] = (
+        (576, 576), (1536, 576), (576, 1536), (64, 64), (512, 64))) -> bool:
+    """Whether this machine's products give a row the same bits whatever the number of rows beside it (1 to 32),
+    for linears of these (out, in) sizes and both orders of batched products: the kernels' half of exactness."""
+    from medusa_heads.inference.prepack import packs
+
+    gen = torch.Generator().manual_seed(0)
+    for out_f, in_f in sizes:
+        w = (torch.randn(out_f, in_f, generator=gen) * 0.05).to(dtype).to(device)
+        x = torch.randn(32, in_f, generator=gen).to(dtype).to(device)
+        products = [lambda a, w=w: nn.functional.linear(a, w)]
+        if device == "cpu" and packs(dtype):  # the prepacked linears too (inference/prepack.py)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+            products.append(lambda a, p=packed: torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], ""))
+        for product in products:
+            alone = torch.cat([product(x[i : i + 1]) for i in range(32)])
+            for m in (2, 5, 8, 16, 32):
+                if not torch.equal(product(x[:m]), alone[:m]):
+                    return False
+        xb = x.view(1, 1, 32, in_f).expand(2, 3, 32, in_f)
+        alone = torch.cat([torch.matmul(xb[:, :, i : i + 1], w.T) for i in range(32)], dim=2)
+        if not torch.equal(torch.matmul(xb[:, :, :8], w.T), alone[:, :, :8]):
+            return False
+    return True
