@@ -1,9 +1,16 @@
 """All KV-cache surgery: new caches, and keeping only the accepted path after a tree verify."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+
+FREE_TAIL: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+"""The preallocated layers' buffers, by storage address, while they live: past a layer's length, their slots are free
+(inference/exact_attention.py pads values there instead of copying them)."""
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -21,6 +28,11 @@ class PreallocatedLayer(DynamicLayer):
         self._k = key_states.new_empty(b, h, self.capacity, d)  # (B, heads, capacity, head_dim)
         self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
         self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
+        self._register()
+
+    def _register(self) -> None:
+        for buf in (self._k, self._v):
+            FREE_TAIL[buf.untyped_storage().data_ptr()] = buf
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
@@ -30,6 +42,7 @@ class PreallocatedLayer(DynamicLayer):
         if end > self.capacity:  # a step's tree ran past the guess: grow, as a list does
             self.capacity = max(end, 2 * self.capacity)
             self._k, self._v = (_grown(buf, start, self.capacity) for buf in (self._k, self._v))
+            self._register()
         self._k[:, :, start:end] = key_states
         self._v[:, :, start:end] = value_states
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]

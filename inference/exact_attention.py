@@ -51,31 +51,70 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if softcap is not None:
         weights = torch.tanh(weights / softcap) * softcap
     width = n + (-n % WIDTH)  # keys padded to whole blocks: the products' and the softmax's kernels see no tail
-    order = None
+    plan = None
     if attention_mask is not None:
-        mask = attention_mask[..., :n]
-        if mask.dtype == torch.bool:  # True: attend
-            mask = torch.zeros(mask.shape, dtype=weights.dtype, device=mask.device).masked_fill_(
-                ~mask, torch.finfo(weights.dtype).min)
+        mask, plan = _plan(attention_mask, n, weights.dtype)
         weights = weights + mask
-        hidden = mask == torch.finfo(mask.dtype).min
-        if bool((hidden[..., :-1] & ~hidden[..., 1:]).any()):  # a masked key before a visible one
-            order = torch.sort(hidden.to(torch.int8), dim=-1, stable=True).indices  # (B, 1, T, N): visible first
-            weights = weights.gather(-1, order.expand_as(weights))
+        if plan is not None:
+            weights = weights.gather(-1, plan[0].expand_as(weights))
     weights = nn.functional.pad(weights, (0, width - n), value=torch.finfo(weights.dtype).min)
     probs = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)  # (B, Hq, T, width)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
-    values = nn.functional.pad(value, (0, 0, 0, width - n))  # (B, Hkv, width, D), zeros past the keys
-    if order is None:
+    values = _padded(value, width)  # (B, Hkv, width, D), zeros past the keys
+    if plan is None:
         out = torch.matmul(probs.view(b, hkv, groups * t, width), values).view(b, hq, t, d)
         return out.transpose(1, 2).contiguous(), None
     # each row's values in its own order, so that a visible key meets the same place in the product as in plain
     # decoding (masked keys, now last, add exact zeros): (B, Hkv, T, width, D), one copy of the values per row
-    order = nn.functional.pad(order[:, 0], (0, width - n))  # (B, T, width)
-    order[..., n:] = torch.arange(n, width, device=order.device)
-    rows = torch.stack([values[i][:, order[i]] for i in range(b)])
+    order = plan[1]
+    rows = values[:, :, order[0]] if b == 1 else torch.stack([values[i][:, order[i]] for i in range(b)])
     out = torch.matmul(probs.view(b, hkv, groups, t, width).transpose(2, 3), rows)  # (B, Hkv, T, groups, D)
     return out.transpose(2, 3).reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
+
+
+_plans: list = []  # [(mask, n, (float mask, plan))]: the last few masks' analysis, shared by a forward's layers
+
+
+def _plan(attention_mask: torch.Tensor, n: int, dtype: torch.dtype):
+    """(the additive mask over the n keys, None or (order (B, 1, T, N): each row's keys visible first, order
+    (B, T, width) for its values, padding included)). A forward passes every layer of a kind the same mask object:
+    its analysis is made once and kept while the object lives (held here, so identity cannot be reused)."""
+    for held, held_n, result in list(_plans):
+        if held is attention_mask and held_n == n:
+            return result
+    mask = attention_mask[..., :n]
+    if mask.dtype == torch.bool:  # True: attend
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    hidden = mask == torch.finfo(mask.dtype).min
+    plan = None
+    if bool((hidden[..., :-1] & ~hidden[..., 1:]).any()):  # a masked key before a visible one
+        order = torch.sort(hidden.to(torch.int8), dim=-1, stable=True).indices  # (B, 1, T, N): visible first
+        width = n + (-n % WIDTH)
+        rows = torch.cat([order[:, 0], torch.arange(n, width, device=order.device).expand(
+            order.shape[0], order.shape[2], width - n)], dim=-1)
+        plan = (order, rows)
+    result = (mask, plan)
+    _plans[:] = [*_plans[-3:], (attention_mask, n, result)]
+    return result
+
+
+def _padded(value: torch.Tensor, width: int) -> torch.Tensor:
+    """value (B, H, N, D) with zeros up to `width` keys: in place where it is a view of a preallocated cache layer's
+    buffer with room (inference/cache.py: the slots past its length are free), else a padded copy."""
+    from medusa_heads.inference.cache import FREE_TAIL
+
+    n = value.shape[2]
+    if width == n:
+        return value
+    b, h, _, d = value.shape
+    stride = value.stride()
+    room = value.untyped_storage().nbytes() // value.element_size() - value.storage_offset()
+    if FREE_TAIL.get(value.untyped_storage().data_ptr()) is not None and stride[3] == 1 and stride[2] == d and stride[1] >= width * d and stride[0] >= h * stride[1] \
+            and room >= (b - 1) * stride[0] + (h - 1) * stride[1] + width * d:
+        wide = value.as_strided((b, h, width, d), stride)
+        wide[:, :, n:].zero_()
+        return wide
+    return nn.functional.pad(value, (0, 0, 0, width - n))
 
 
 @functools.cache
