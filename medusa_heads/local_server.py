@@ -6,9 +6,18 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies, even by kill -9 (Linux), so that
+    a killed run leaves no server behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -20,7 +29,7 @@ def free_port() -> int:
 class LocalServer:
     """`cmd` (which must listen on `port`) in a process group of its own, output to `log`. `start` returns once
     `http://127.0.0.1:port/health` answers 200, or raises `error` in one line naming the log; `stop` ends the whole
-    group (a server's workers too) and closes the log."""
+    group (a server's workers too) and closes the log; a run killed outright takes the server with it (Linux)."""
 
     def __init__(self, cmd: list[str], port: int, log: str | os.PathLike, name: str, error: type[Exception],
                  env: dict | None = None) -> None:
@@ -36,7 +45,8 @@ class LocalServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=self.env)
+                                     start_new_session=True, env=self.env,
+                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

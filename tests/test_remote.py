@@ -4,6 +4,9 @@ that loses requests keeps the rest and a rerun completes it."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -229,3 +232,46 @@ if __name__ == "__main__":  # the stand-in vLLM server (FAKE_VLLM)
                port=known.port)
     while True:
         time.sleep(1)
+
+
+def test_a_server_started_for_a_run_dies_with_the_run_even_by_kill_9(tmp_path):
+    """LocalServer (vLLM's engine, llama.cpp's server): a run killed outright leaves no server behind."""
+    import signal
+    import textwrap
+    import time
+
+    server = tmp_path / "health.py"
+    server.write_text(textwrap.dedent('''
+        import sys
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+    '''))
+    run = tmp_path / "run.py"
+    run.write_text(textwrap.dedent(f'''
+        import sys, time
+        from medusa_heads.local_server import LocalServer, free_port
+        port = free_port()
+        s = LocalServer([sys.executable, {str(server)!r}, str(port)], port, {str(tmp_path / "log")!r}, "stand-in", RuntimeError)
+        s.start(timeout=30)
+        print(s.proc.pid, flush=True)
+        time.sleep(60)
+    '''))
+    parent = subprocess.Popen([sys.executable, str(run)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        if open(f"/proc/{child}/stat").read().split()[2] == "Z":  # exited, not yet reaped
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the server outlived the run that started it")
