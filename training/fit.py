@@ -343,8 +343,12 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
     base, tok = load_base(model), load_tokenizer(model)
     h, v = base.config.hidden_size, base.get_output_embeddings().weight.shape[0]
 
+    running: dict = {}  # the phase under way: its name, when this process began it, its seconds in earlier runs
+
     def save() -> None:  # the state, with the time spent so far (a kill loses at most the time since)
         state["spent_s"] = clock.spent()
+        if running:  # a phase resumed after a kill counts its earlier runs' time too
+            state.setdefault("phase_s", {})[running["phase"]] = running["before"] + time.time() - running["t0"]
         write_state(out, state)
 
     if "plan" not in state:
@@ -360,7 +364,9 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
     plan = state["plan"]
 
     def finish(phase: str, t0: float, **info) -> None:
-        state["done"][phase] = {"seconds": time.time() - t0, **info}
+        before = running.get("before", 0.0) if running.get("phase") == phase else 0.0
+        state["done"][phase] = {"seconds": before + time.time() - t0, **info}
+        running.clear()
         save()
 
     fraction = state["rules"]["recipe"]["eval_fraction"]
@@ -370,6 +376,7 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
         if phase in state["done"]:
             continue
         t0 = time.time()
+        running.update(phase=phase, t0=t0, before=state.get("phase_s", {}).get(phase, 0.0))
         state.pop("failed", None)
         try:
             if phase == "distill":
