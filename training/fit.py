@@ -534,7 +534,7 @@ def _distill_remote(base, tok, state, out, data, seconds, fraction, prompts, ben
     t0 = time.time()
     deadline = t0 + 1.1 * seconds
     source = state["source"]
-    _, _, _, pool = _prompt_pool(state, tok, prompts, bench_files)
+    files, _, _, pool = _prompt_pool(state, tok, prompts, bench_files)
     parts = state.setdefault("distill_parts", {"answers_s": 0.0, "features_s": 0.0})
     folder = out / "features"
     data[1].touch()
@@ -599,7 +599,7 @@ def _distill_remote(base, tok, state, out, data, seconds, fraction, prompts, ben
                                     "timed": min(k * size, cap), "timed_answers": done_now,
                                     "seconds_per_answer": per_answer,
                                     "features_seconds_per_answer": per_feature, "prompts_available": len(pool),
-                                    "files": _prompt_pool(state, tok, prompts, bench_files)[0]}
+                                    "files": files}
                 save()
                 log(f"fit: {per_answer:.2f} s an answer from {source_text(source)}, {per_feature:.2f} s its features: "
                     f"{greedy} greedy and {n - greedy} sampled answers in ~{n * (per_answer + per_feature):.0f} s "
