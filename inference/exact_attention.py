@@ -30,6 +30,8 @@ import functools
 import torch
 from torch import nn
 
+from medusa_heads.inference.cache import FREE_TAIL
+
 NAME = "medusa_exact"
 WIDTH = 64  # products and softmax run over a multiple of this many keys (masked, zero padding at the end)
 
@@ -38,7 +40,7 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                     softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' attention-interface signature: query (B, Hq, T, D), key and value (B, Hkv, N, D), an additive
-    float mask (B, 1, T, >= N) -> (output (B, T, Hq, D), probabilities (B, Hq, T, N))."""
+    float mask (B, 1, T, >= N) -> (output (B, T, Hq, D), None: the probabilities are not returned)."""
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"{NAME}: attention sinks are not supported; load this model with "
                          "attn_implementation='eager' or 'sdpa'")
@@ -53,7 +55,7 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     width = n + (-n % WIDTH)  # keys padded to whole blocks: the products' and the softmax's kernels see no tail
     plan = None
     if attention_mask is not None:
-        mask, plan = _plan(attention_mask, n, weights.dtype)
+        mask, plan = _plan(attention_mask, n, width, weights.dtype)
         weights = weights + mask
         if plan is not None:
             weights = weights.gather(-1, plan[0].expand_as(weights))
@@ -75,7 +77,7 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
 _plans: list = []  # [(mask, n, (float mask, plan))]: the last few masks' analysis, shared by a forward's layers
 
 
-def _plan(attention_mask: torch.Tensor, n: int, dtype: torch.dtype):
+def _plan(attention_mask: torch.Tensor, n: int, width: int, dtype: torch.dtype):
     """(the additive mask over the n keys, None or (order (B, 1, T, N): each row's keys visible first, order
     (B, T, width) for its values, padding included)). A forward passes every layer of a kind the same mask object:
     its analysis is made once and kept while the object lives (held here, so identity cannot be reused)."""
@@ -89,7 +91,6 @@ def _plan(attention_mask: torch.Tensor, n: int, dtype: torch.dtype):
     plan = None
     if bool((hidden[..., :-1] & ~hidden[..., 1:]).any()):  # a masked key before a visible one
         order = torch.sort(hidden.to(torch.int8), dim=-1, stable=True).indices  # (B, 1, T, N): visible first
-        width = n + (-n % WIDTH)
         rows = torch.cat([order[:, 0], torch.arange(n, width, device=order.device).expand(
             order.shape[0], order.shape[2], width - n)], dim=-1)
         plan = (order, rows)
@@ -101,19 +102,18 @@ def _plan(attention_mask: torch.Tensor, n: int, dtype: torch.dtype):
 def _padded(value: torch.Tensor, width: int) -> torch.Tensor:
     """value (B, H, N, D) with zeros up to `width` keys: in place where it is a view of a preallocated cache layer's
     buffer with room (inference/cache.py: the slots past its length are free), else a padded copy."""
-    from medusa_heads.inference.cache import FREE_TAIL
-
     n = value.shape[2]
     if width == n:
         return value
-    b, h, _, d = value.shape
-    stride = value.stride()
-    room = value.untyped_storage().nbytes() // value.element_size() - value.storage_offset()
-    if FREE_TAIL.get(value.untyped_storage().data_ptr()) is not None and stride[3] == 1 and stride[2] == d and stride[1] >= width * d and stride[0] >= h * stride[1] \
-            and room >= (b - 1) * stride[0] + (h - 1) * stride[1] + width * d:
-        wide = value.as_strided((b, h, width, d), stride)
-        wide[:, :, n:].zero_()
-        return wide
+    if FREE_TAIL.get(value.untyped_storage().data_ptr()) is not None:
+        b, h, _, d = value.shape
+        stride = value.stride()
+        room = value.untyped_storage().nbytes() // value.element_size() - value.storage_offset()
+        if (stride[3] == 1 and stride[2] == d and stride[1] >= width * d and stride[0] >= h * stride[1]
+                and room >= (b - 1) * stride[0] + (h - 1) * stride[1] + width * d):
+            wide = value.as_strided((b, h, width, d), stride)
+            wide[:, :, n:].zero_()
+            return wide
     return nn.functional.pad(value, (0, 0, 0, width - n))
 
 

@@ -147,8 +147,8 @@ class MedusaModel(nn.Module):
         on a CPU are packed either way: they are this library's, not the caller's.
         A bf16 base that this call loads onto a CPU whose bf16 products give a row the same bits whatever the rows
         beside it gets the row-exact attention (inference/exact_attention.py) unless base_kwargs name another
-        attn_implementation: greedy output is then its plain greedy decoding token for token (which is transformers'
-        eager attention's). For a bf16 model passed in, `use_exact_attention(model)` does the same.
+        attn_implementation: greedy output is then its plain greedy decoding (`generate` on that model) token for
+        token. For a bf16 model passed in, `use_exact_attention(model)` does the same.
         draft_dtype: the dtype the loaded heads draft in. Default (None): bf16 on a CPU with oneDNN bf16 kernels
         (a drafting level is memory-bound: half the bytes, ~30% less drafting time, the same drafts but for rare
         near-ties), else the base's dtype. New heads (heads=None) keep the base's dtype, for training. Output is the
