@@ -127,6 +127,16 @@ def _device_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="device for the model, e.g. cuda (default: the CPU)")
 
 
+def _engine_args(p: argparse.ArgumentParser, started: str, example: str) -> None:
+    """--engine vllm and its two options (distill, fit): vLLM started `started`, `example` of its flags."""
+    p.add_argument("--engine", choices=["vllm"], default=None,
+                   help=f"take the answers from vLLM, started {started} in its own environment (--vllm-python) and "
+                        "stopped after; as --server otherwise")
+    p.add_argument("--vllm-python", default=None, help="--engine vllm: the python of an environment with vLLM "
+                   "(default: $MEDUSA_HEADS_VLLM_PYTHON, else .venv-vllm/bin/python from `make vllm-setup`)")
+    p.add_argument("--vllm-args", default=None, help=f"--engine vllm: more flags for vLLM's server, e.g. {example}")
+
+
 def _threads_arg(parser: argparse.ArgumentParser, default: int | None) -> None:
     parser.add_argument("--threads", type=positive, default=default,
                         help="CPU threads" + ("" if default else " (default: PyTorch's choice)"))
@@ -185,13 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the answers from an OpenAI-compatible completions server that serves the target (vLLM, "
                         "SGLang, llama.cpp's server, ...), e.g. http://localhost:8000; checked first (tokenizer, a few "
                         "greedy answers against the target's own); --features then come from a separate pass")
-    s.add_argument("--engine", choices=["vllm"], default=None,
-                   help="take the answers from vLLM, started here for this run in its own environment (--vllm-python) "
-                        "and stopped after; as --server otherwise")
-    s.add_argument("--vllm-python", default=None, help="--engine vllm: the python of an environment with vLLM "
-                   "(default: $MEDUSA_HEADS_VLLM_PYTHON, else .venv-vllm/bin/python from `make vllm-setup`)")
-    s.add_argument("--vllm-args", default=None, help="--engine vllm: more flags for vLLM's server, e.g. "
-                   "'--dtype float32 --max-model-len 2048 --tensor-parallel-size 8'")
+    _engine_args(s, "here for this run", "'--dtype float32 --max-model-len 2048 --tensor-parallel-size 8'")
     s.add_argument("--server-model", default=None, help="--server: the served model's name (default: the first listed)")
     _device_arg(s)
     s.add_argument("--concurrency", type=positive, default=16, help="--server: requests in flight")
@@ -331,13 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "few greedy answers against the model's own); their features then come from a separate pass "
                          "within distill's time")
     fi.add_argument("--server-model", default=None, help="--server: the served model's name (default: the first listed)")
-    fi.add_argument("--engine", choices=["vllm"], default=None,
-                    help="take the answers from vLLM, started for the distill phase in its own environment "
-                         "(--vllm-python) and stopped after; as --server otherwise")
-    fi.add_argument("--vllm-python", default=None, help="--engine vllm: the python of an environment with vLLM "
-                    "(default: $MEDUSA_HEADS_VLLM_PYTHON, else .venv-vllm/bin/python from `make vllm-setup`)")
-    fi.add_argument("--vllm-args", default=None, help="--engine vllm: more flags for vLLM's server, e.g. "
-                    "'--dtype float32 --max-model-len 2048'")
+    _engine_args(fi, "for the distill phase", "'--dtype float32 --max-model-len 2048'")
     fi.add_argument("--concurrency", type=positive, default=None,
                     help="--server, --engine: requests in flight (default: 16)")
     _threads_arg(fi, None)
