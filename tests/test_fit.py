@@ -22,15 +22,19 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
 
 
+def write_prompts(root, seed: int, n: int):
+    """n random six-word prompts in root/train.jsonl, the first two also in root/bench.jsonl (decontaminated away)."""
+    g = torch.Generator().manual_seed(seed)
+    lines = [json.dumps({"id": f"p{i}", "prompt": " ".join(WORDS[j] for j in torch.randint(0, 94, (6,), generator=g))})
+             for i in range(n)]
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "bench.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    return root
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fit-prompts")
-    g = torch.Generator().manual_seed(0)
-    lines = [json.dumps({"id": f"p{i}", "prompt": " ".join(WORDS[j] for j in torch.randint(0, 94, (6,), generator=g))})
-             for i in range(400)]
-    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
-    (root / "bench.jsonl").write_text("\n".join(lines[:2]) + "\n")  # also in train: decontaminated away
-    return root
+    return write_prompts(tmp_path_factory.mktemp("fit-prompts"), seed=0, n=400)
 
 
 def _model(folder, arch: str, chat: bool = False, **kw):

@@ -18,19 +18,13 @@ import torch
 from medusa_heads.corpus import read_conversations
 from medusa_heads.model import MedusaModel
 from medusa_heads.shards import feature_ids, shard_paths
-from test_fit import WORDS, _model
+from test_fit import _model, write_prompts
 from test_remote import FAKE_VLLM, FakeEngine
 
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fit-remote-prompts")
-    g = torch.Generator().manual_seed(1)
-    lines = [json.dumps({"id": f"p{i}", "prompt": " ".join(WORDS[j] for j in torch.randint(0, 94, (6,), generator=g))})
-             for i in range(300)]
-    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
-    (root / "bench.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    return root
+    return write_prompts(tmp_path_factory.mktemp("fit-remote-prompts"), seed=1, n=300)
 
 
 @pytest.fixture
