@@ -23,6 +23,7 @@ from medusa_heads.inference.adaptive import AdaptiveDrafter, DraftObserver
 from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
 from medusa_heads.inference.exact_attention import register as register_exact_attention, rows_invariant
+from medusa_heads.inference.int8 import int8_supported, quantize_linears
 from medusa_heads.inference.plan import ADAPTIVE, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
@@ -131,6 +132,7 @@ class MedusaModel(nn.Module):
         allow_base_mismatch: bool = False,
         prepack: bool | None = None,
         draft_dtype: torch.dtype | None = None,
+        quantize: str | None = None,
         **base_kwargs,
     ) -> "MedusaModel":
         """base: the default model's name, a local HF directory, a hub id, or a loaded model.
@@ -152,7 +154,19 @@ class MedusaModel(nn.Module):
         draft_dtype: the dtype the loaded heads draft in. Default (None): bf16 on a CPU with oneDNN bf16 kernels
         (a drafting level is memory-bound: half the bytes, ~30% less drafting time, the same drafts but for rare
         near-ties), else the base's dtype. New heads (heads=None) keep the base's dtype, for training. Output is the
-        target's whatever the heads' dtype."""
+        target's whatever the heads' dtype.
+        quantize: "int8" runs the base's linears, LM head included, through oneDNN's int8 GEMM with weights quantised
+        per channel and activations per token (inference/int8.py, CPU only). Integer sums make its rows exact, so
+        greedy output is this int8 model's own plain greedy decoding token for token (with the row-exact attention,
+        which a base this call loads gets: it loads in bf16 unless base_kwargs give a dtype, or the CPU has no bf16
+        kernels). It replaces prepack. A model passed in is quantised in place, so `base.generate` runs it too."""
+        if quantize not in (None, "int8"):
+            raise ValueError(f"quantize={quantize!r}: the one quantisation is 'int8' (None: the base's own dtype)")
+        if quantize and not int8_supported():
+            raise ValueError("quantize='int8' needs oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise), which "
+                             "this PyTorch build lacks: load the model in bf16 or fp32 instead")
+        if quantize and not isinstance(base, PreTrainedModel) and "dtype" not in base_kwargs and "torch_dtype" not in base_kwargs:
+            base_kwargs["dtype"] = torch.bfloat16 if bf16_supported() else torch.float32
         if not isinstance(base, PreTrainedModel):
             base_kwargs = exact_attention_kwargs(base_kwargs)
             base = load_base(base, prepack=False, **base_kwargs)  # packed below, after an adapter is merged
@@ -174,7 +188,11 @@ class MedusaModel(nn.Module):
             base = _merge_adapter(base, Path(heads))
         base.eval()
         base.requires_grad_(False)
-        if prepack:
+        if quantize:
+            if base.device.type != "cpu":
+                raise ValueError(f"quantize='int8' runs on a CPU; this base is on {base.device}: leave out quantize")
+            quantize_linears(base)
+        elif prepack:
             prepack_linears(base)
         lm_weight = base.get_output_embeddings().weight
         embed_weight = base.get_input_embeddings().weight

@@ -289,9 +289,13 @@ def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor
 
 
 def kernels_key(model: torch.nn.Module, prepacked: bool) -> str:
-    """The kernels a model's verify runs: "<prepacked|stock>-<dtype>-<device type>"."""
+    """The kernels a model's verify runs: "<prepacked|stock|int8>-<dtype>-<device type>" (int8: its linears are
+    inference.int8's, and it runs in dtype otherwise)."""
+    from medusa_heads.inference.int8 import is_int8
+
     param = next(model.parameters())
-    return f"{'prepacked' if prepacked else 'stock'}-{str(param.dtype).removeprefix('torch.')}-{param.device.type}"
+    kind = ("int8" if is_int8(model) else "prepacked") if prepacked else "stock"
+    return f"{kind}-{str(param.dtype).removeprefix('torch.')}-{param.device.type}"
 
 
 def hardware(device: torch.device) -> str:
@@ -315,12 +319,21 @@ def find_cost(costs: dict, model: torch.nn.Module, prepacked: bool) -> str | Non
     """The stored cost model (its key in `costs`) for this model's kernels, best first: measured on this hardware;
     stored without hardware (heads calibrated before costs named it); the same kernels on other hardware (the
     first key in sorted order: a tree from another machine's costs is still lossless, only sized less well).
-    None: not calibrated for these kernels. Deterministic for a machine, so a seed reproduces a sample."""
+    None: not calibrated for these kernels. An int8 model not calibrated as such takes its dtype's prepacked table
+    (the same shape of cost: small products bound by overhead, nearly flat in the tree's size). Deterministic for a
+    machine, so a seed reproduces a sample."""
     exact, kernels = cost_key(model, prepacked), kernels_key(model, prepacked)
-    for key in (exact, kernels):
-        if key in costs:
-            return key
-    return next((k for k in sorted(costs) if k.startswith(kernels + "-")), None)
+    tries = [(exact, kernels)]
+    if kernels.startswith("int8-"):
+        tries.append(tuple(k.replace("int8-", "prepacked-", 1) for k in (exact, kernels)))
+    for exact, kernels in tries:
+        for key in (exact, kernels):
+            if key in costs:
+                return key
+        found = next((k for k in sorted(costs) if k.startswith(kernels + "-")), None)
+        if found is not None:
+            return found
+    return None
 
 
 def expected_tokens(values: torch.Tensor, sizes: int) -> torch.Tensor:

@@ -95,8 +95,9 @@ def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     parser.add_argument("--tree", default=None, choices=TREES, metavar="TREE",
                         help=f"tree ({', '.join(TREES)}; plain: no drafting; default: adaptive where the heads were calibrated, else their own tree)")
     parser.add_argument("--max-new-tokens", type=positive, default=max_new_tokens, help="most tokens to generate per reply")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                        help="the model's dtype (bf16: faster on CPUs with AVX512-BF16 or AMX, and on GPUs)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                        help="the model's dtype (bf16: faster on CPUs with AVX512-BF16 or AMX, and on GPUs; int8: "
+                             "CPU only, int8 linears with bf16 elsewhere, exact against its own plain decoding)")
     _prepack_arg(parser)
     _device_arg(parser)
 
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--contexts", default=",".join(map(str, CAL.contexts)), help="cached context lengths of the cost model")
     c.add_argument("--batch-rows", default=",".join(map(str, CAL.batch_rows)), help="batch sizes whose verify --parts batch measures")
     c.add_argument("--report", default=None, help="folder for a calibration report (report.md, reliability.png)")
-    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's dtype")
+    c.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32", help="the model's dtype (int8: CPU only)")
     c.add_argument("--force-cost", action="store_true",
                    help="store timings (tree, cost, batch, greedy) even when they cannot be trusted: taken while other "
                         "work loaded the machine, or implausible (by default they are not stored, and calibrate "
@@ -271,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=DEFAULT_MODEL, help="the embedded default's name, a local HF directory or a hub id")
     _heads_args(b, "heads directory (default: the shipped heads, if they fit the model; else untrained heads)")
     _prepack_arg(b)
-    b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's dtype")
+    b.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                   help="the model's dtype (int8: CPU only, int8 linears with bf16 elsewhere; hf is then that int8 "
+                        "model's plain decoding)")
     _device_arg(b)
     b.add_argument("--methods", default="hf,pld,medusa,medusa-static",
                    help="comma-separated: hf, hf-stock (stock kernels), pld (transformers' prompt lookup, 10 tokens), "

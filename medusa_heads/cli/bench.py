@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_heads.config import DEFAULT_TREE
+from medusa_heads.inference.int8 import is_int8
 from medusa_heads.inference.prepack import is_prepacked, stock_kernels
 from medusa_heads.prompting import eos_ids, prompt_ids, prompt_text, user_turn
 from medusa_heads.tree.adaptive import hardware
@@ -243,7 +244,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                      "tree": "adaptive" if model.adaptive else f"fixed, {model.tree.num_nodes} nodes",
                      "fixed_tree_nodes": model.tree.num_nodes, "preset": preset,
                      "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype),
-                     "prepacked_linears": is_prepacked(base), "hardware": hardware(device),
+                     "prepacked_linears": is_prepacked(base), "int8_linears": is_int8(base), "hardware": hardware(device),
                      "cost_model": model.cost_model_key() if model.adaptive else None},
     }
     if profile:
@@ -296,6 +297,8 @@ def prompt_name(i: int, row, turn: int | None = None) -> str:
 def _setup_text(st: dict) -> str:
     """What a bench ran on, from its settings (a batch bench before this was recorded says less)."""
     kernels = "" if "prepacked_linears" not in st else f"{'prepacked' if st['prepacked_linears'] else 'stock'} kernels, "
+    if st.get("int8_linears"):
+        kernels = "int8 linears (oneDNN), "
     return (f"{st['prompts']} prompts, {st['dtype'].removeprefix('torch.')} on {st['device']}, {kernels}{st['threads']} threads"
             + (f", {st['hardware']}" if st.get("hardware") else "")
             + (f"; per-step trees sized by the cost model {st['cost_model']}" if st.get("cost_model") else ""))
@@ -483,7 +486,7 @@ def run_batch_bench(model, tokenizer, rows: list[PromptRow], batch_sizes: list[i
     return {"by_batch": out, "settings": {"model": base.name_or_path, "max_new_tokens": max_new_tokens, "prompts": n, "tree_nodes": model.tree.num_nodes,
                                           "tree": tree,
                                           "threads": torch.get_num_threads(), "device": str(device), "dtype": str(base.dtype),
-                                          "prepacked_linears": is_prepacked(base), "hardware": hardware(device),
+                                          "prepacked_linears": is_prepacked(base), "int8_linears": is_int8(base), "hardware": hardware(device),
                                           "cost_model": model.cost_model_key() if cost is not None and cost.batched else None}}
 
 

@@ -165,6 +165,17 @@ def _load_base(name: str, dtype: str = "fp32", prepack: bool = True):
     return load_base(name, dtype=getattr(torch, DTYPES[dtype]), prepack=None if prepack else False), tok
 
 
+def _dtype_kwargs(name: str, device: str | None) -> dict:
+    """from_pretrained's arguments for --dtype: a torch dtype, or int8 (quantize, CPU only: one line otherwise)."""
+    import torch
+
+    if name != "int8":
+        return {"dtype": getattr(torch, DTYPES[name])}
+    if device not in (None, "cpu"):
+        raise SystemExit(f"--dtype int8 runs on a CPU (oneDNN's int8 linears); on --device {device} use bf16")
+    return {"quantize": "int8"}
+
+
 def _load_medusa(args: argparse.Namespace):
     """Base model, tokenizer and MedusaModel for the generating commands (--model, --heads, --tree); says when the
     heads are untrained."""
@@ -181,8 +192,8 @@ def _load_medusa(args: argparse.Namespace):
         warnings.filterwarnings("ignore", "no shipped heads were trained", UserWarning)
         model = MedusaModel.from_pretrained(args.model, heads=args.heads or "auto", tree=getattr(args, "tree", None),
                                             allow_base_mismatch=args.allow_base_mismatch,
-                                            dtype=getattr(torch, DTYPES[args.dtype]), device_map=args.device,
-                                            prepack=None if args.prepack else False)
+                                            device_map=args.device, prepack=None if args.prepack else False,
+                                            **_dtype_kwargs(args.dtype, args.device))
     if not model.config.extra:  # trained heads record their recipe and training; new heads record nothing
         where = f"{args.heads} holds" if args.heads else f"no shipped heads fit {args.model}, so it runs with"
         _note(f"untrained heads: {where} zero-initialised heads; tau will be near 1.0; train heads with `medusa-heads train`")
@@ -536,9 +547,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         ids = {c["id"] for c in held}
         phrase_data = ([c for c in every if c["id"] not in ids], held)
     prepack = args.prepack and args.device in (None, "cpu")
-    model = MedusaModel.from_pretrained(args.model, heads=args.heads, dtype=getattr(torch, DTYPES[args.dtype]),
-                                        device_map=args.device, prepack=None if prepack else False,
-                                        allow_base_mismatch=args.allow_base_mismatch)
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads, device_map=args.device,
+                                        prepack=None if prepack else False, allow_base_mismatch=args.allow_base_mismatch,
+                                        **_dtype_kwargs(args.dtype, args.device))
     settings = Settings(max_nodes=args.max_nodes, topk=args.topk, context=args.context, repeats=args.repeats,
                         overhead_ms=args.overhead_ms, accept_topk=args.accept_topk, lookup_tokens=args.lookup_tokens,
                         contexts=tuple(int(c) for c in args.contexts.split(",")),

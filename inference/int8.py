@@ -1,0 +1,134 @@
+"""Int8 linears for CPU inference whose rows do not depend on the rows beside them: exact by construction.
+
+Each linear's weight is quantised once, per output channel, symmetric (w = s_w * q_w, q_w in [-127, 127]). At each
+call each row of its input is quantised on its own (per token, symmetric: x = s_x * q_x), and oneDNN's int8 GEMM
+(`torch.ops.onednn.qlinear_pointwise`, the kernel PyTorch's own x86 int8 path lowers to: VNNI or AMX) sums q_x q_w
+in int32. Integer sums are exact, so the order a kernel adds in, which changes with the number of rows, cannot
+change a bit; everything else is per element (the row's max, the rounding, the scales). A tree row's logits are
+therefore a plain step's, bit for bit, and greedy output equals the int8 model's own plain greedy decoding.
+`int8_rows_invariant` checks the one assumption (int32 accumulation without saturation) on the machine at hand.
+
+What stays in the model's dtype (bf16, or fp32 where the CPU has no bf16 kernels): embeddings, norms, attention (the
+row-exact attention in bf16), the heads. The original weights stay too (tied embeddings, the heads' shared LM-head
+rows, `stock_kernels` baselines): this mode trades accuracy for speed, not memory.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from medusa_heads.inference.prepack import PackedLinear
+
+ZERO_POINT = 128  # oneDNN takes unsigned activations: q_x + 128 in uint8, and the kernel subtracts it back
+
+
+def int8_supported() -> bool:
+    """This PyTorch build has oneDNN's int8 linear for CPUs."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops, "onednn")
+            and hasattr(torch.ops.onednn, "qlinear_pointwise") and hasattr(torch.ops.onednn, "qlinear_prepack"))
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, fp32 scale per output channel): symmetric, round to nearest."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+_SHIFT = torch.tensor(ZERO_POINT + 0.5)  # + 0.5, then truncation: round half up, in one fused op
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, in) -> (uint8 rows q + 128, fp32 scale per row): each row symmetric on its own max, rounded half
+    up. Five ops, each per row or per element: a linear's whole overhead over the bf16 product is here."""
+    scale = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32).clamp_min_(1e-30).div_(127)
+    return torch.addcdiv(_SHIFT, x, scale).to(torch.uint8), scale
+
+
+class Int8Linear(PackedLinear):
+    """y = x W^T + b through oneDNN's int8 GEMM, activations quantised per row at each call (see the module's
+    docstring). `weight` and `bias` stay the original Parameters; `enabled = False` (`stock_kernels`) runs the stock
+    product on them instead."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.enabled = True
+        self.packed_as = (linear.weight.dtype, linear.weight.device)
+        with torch.no_grad():
+            q, scale = quantize_weight(linear.weight)
+            self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        here = (self.weight.dtype, self.weight.device)  # a later .to() leaves the int8 copy behind: stock product
+        if not self.enabled or x.requires_grad or (x.dtype, x.device) != here or here != self.packed_as:
+            return nn.functional.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        q, scale = quantize_rows(rows)
+        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, self.packed, self.weight_scale, self.zero_points,
+                                               None, 1.0, 0, torch.float32, "none", [], "")
+        y = y.mul_(scale)
+        if self.bias is not None:
+            y = y.add_(self.bias.float())
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 (oneDNN)"
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Swap every nn.Linear (or PackedLinear) of a CPU model in bf16 or fp32 for an Int8Linear; returns how many.
+    Raises for a model on another device or in another dtype, or a PyTorch without oneDNN's int8 linear."""
+    if not int8_supported():
+        raise RuntimeError("this PyTorch build has no oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise): "
+                           "use dtype bf16 or fp32")
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) not in (nn.Linear, PackedLinear):
+                continue
+            if child.weight.device.type != "cpu" or child.weight.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"int8: {name} is {child.weight.dtype} on {child.weight.device}; only bf16 or fp32 "
+                                 "CPU models are quantised")
+            setattr(parent, name, Int8Linear(child))
+            swapped += 1
+    return swapped
+
+
+def is_int8(model: nn.Module) -> bool:
+    """Whether the model's linears run on int8 kernels now (not inside `stock_kernels`)."""
+    return any(isinstance(m, Int8Linear) and m.enabled for m in model.modules())
+
+
+@functools.cache
+def int8_rows_invariant(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this machine's int8 linear gives a row the same bits whatever the rows beside it (1 to 32), and the
+    integer product exactly: the one assumption behind int8's exactness (an int16 pairwise sum, as on AVX2 without
+    VNNI, saturates)."""
+    if not int8_supported():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    for out_f, in_f in ((576, 576), (1536, 576), (576, 1536), (64, 64)):
+        lin = nn.Linear(in_f, out_f, bias=False).to(dtype)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(out_f, in_f, generator=gen))
+        layer = Int8Linear(lin)
+        x = (torch.randn(32, in_f, generator=gen) * 3).to(dtype)
+        with torch.inference_mode():
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(32)])
+            for m in (2, 5, 8, 16, 32):
+                if not torch.equal(layer(x[:m]), alone[:m]):
+                    return False
+            q, s = quantize_rows(x)
+            wq, ws = quantize_weight(lin.weight)
+            exact = (q.double() - ZERO_POINT) @ wq.double().T  # |sums| < 2^53: exact in float64
+            y = torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, layer.packed, ws, layer.zero_points,
+                                                   None, 1.0, 0, torch.float32, "none", [], "")
+            if not torch.allclose(y.double(), exact * ws.double(), rtol=1e-6, atol=0):  # fp32 rounding only
+                return False
+    return True

@@ -1,0 +1,116 @@
+"""int8 made exact: weights per channel, activations per row, summed in int32 by oneDNN (inference/int8.py), so a
+tree verify's every row is the int8 model's plain step bit for bit, and greedy output equals its plain greedy
+decoding token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from medusa_heads import MedusaModel
+from medusa_heads.inference.exact_attention import NAME, rows_invariant, use_exact_attention, uses_exact_attention
+from medusa_heads.inference.int8 import Int8Linear, int8_rows_invariant, int8_supported, is_int8, quantize_linears, quantize_rows, quantize_weight
+from medusa_heads.inference.prepack import is_prepacked, stock_kernels
+from medusa_heads.tree.adaptive import find_cost, kernels_key
+
+from conftest import randomize_heads, tiny_model
+from test_exact import rows_that_differ
+
+EXACT = int8_supported() and int8_rows_invariant(torch.bfloat16) and rows_invariant(torch.bfloat16)
+needs_exact = pytest.mark.skipif(not EXACT, reason="this CPU's int8 or bf16 products are not row-invariant here")
+
+
+def int8_model(arch: str = "llama", seed: int = 0):
+    base = tiny_model(arch, seed=seed).to(torch.bfloat16)
+    use_exact_attention(base)
+    quantize_linears(base)
+    return base
+
+
+@needs_exact
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_is_the_same_bits_whatever_rows_are_beside_it(dtype):
+    lin = nn.Linear(48, 80, bias=True).to(dtype)
+    layer = Int8Linear(lin)
+    x = (torch.randn(24, 48, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(24)])
+    for m in (2, 7, 16, 24):
+        assert torch.equal(layer(x[:m]), alone[:m])
+    assert torch.equal(layer(x.view(2, 12, 48)), alone.view(2, 12, 80))  # leading dimensions are rows too
+
+
+@needs_exact
+def test_the_product_is_the_integer_product_times_the_scales():
+    """What the kernel must compute, from the quantised integers (an int16 pairwise sum, as without VNNI, would
+    saturate and fail this); and within int8's error of the float product."""
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(256, 64, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 256, generator=g))
+    x = torch.randn(8, 256, generator=g) * 10
+    x[3] = 0  # an all-zero row quantises to zeros, not NaN
+    with torch.no_grad():
+        y = Int8Linear(lin)(x)
+        ref = lin(x)
+    q, s = quantize_rows(x)
+    wq, ws = quantize_weight(lin.weight)
+    assert q[3].eq(128).all() and q.min() >= 1  # symmetric: -127..127, shifted by 128
+    exact = ((q.double() - 128) @ wq.double().T) * s.double() * ws.double() + lin.bias.double()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-4)
+    assert float((y - ref).norm() / ref.norm()) < 0.02
+
+
+@needs_exact
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q, k and v projections
+def test_every_tree_row_is_its_plain_step_bit_for_bit(arch):
+    differ, total = rows_that_differ(int8_model(arch))
+    assert total > 30 and differ == 0
+
+
+@needs_exact
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_greedy_equals_its_plain_greedy_token_for_token(arch):
+    base = tiny_model(arch).to(torch.bfloat16)
+    use_exact_attention(base)
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-16", quantize="int8"))
+    assert is_int8(base) and isinstance(base.lm_head, Int8Linear)  # quantised in place, LM head included
+    accepted = 0
+    for seed in range(6):
+        ids = torch.randint(0, 96, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
+        ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
+        res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, return_dict_in_generate=True)
+        assert torch.equal(res.sequences, ref), f"{arch}, prompt {seed}"
+        accepted += res.stats.mean_accepted > 1
+    assert accepted >= 1
+
+
+@needs_exact
+def test_every_tree_row_of_the_real_model_is_its_plain_step_bit_for_bit():
+    from medusa_heads import default_model_path
+    from medusa_heads.loading import load_base
+
+    base = load_base(default_model_path(), dtype=torch.bfloat16, attn_implementation=NAME, prepack=False)
+    quantize_linears(base)
+    differ, total = rows_that_differ(base, trees=3, seed=2, vocab=20000, contexts=(16, 300, 1024))
+    assert total >= 9 and differ == 0
+
+
+def test_from_pretrained_loads_int8_in_bf16_with_the_exact_attention(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    model = MedusaModel.from_pretrained(tmp_path / "m", heads=None, quantize="int8")
+    base = model.base_model
+    linears = [m for m in base.modules() if isinstance(m, nn.Linear)]
+    assert not linears and is_int8(base)  # every projection and the LM head
+    if EXACT:
+        assert base.dtype == torch.bfloat16 and uses_exact_attention(base)
+        assert kernels_key(base, True) == "int8-bfloat16-cpu"
+        # not calibrated as int8: the bf16 prepacked table sizes its trees; its own table comes first
+        assert find_cost({"prepacked-bfloat16-cpu-x": 1}, base, True) == "prepacked-bfloat16-cpu-x"
+        assert find_cost({"prepacked-bfloat16-cpu-x": 1, "int8-bfloat16-cpu-y": 2}, base, True) == "int8-bfloat16-cpu-y"
+        with stock_kernels(base):
+            assert not is_int8(base) and kernels_key(base, is_prepacked(base)) == "stock-bfloat16-cpu"
+
+
+def test_an_unknown_quantisation_is_one_line_before_the_model_loads(tmp_path):
+    with pytest.raises(ValueError, match=r"quantize='int4': the one quantisation is 'int8'"):
+        MedusaModel.from_pretrained(tmp_path / "nothing-here", heads=None, quantize="int4")
