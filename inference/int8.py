@@ -37,14 +37,15 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-_SHIFT = torch.tensor(ZERO_POINT + 0.5)  # + 0.5, then truncation: round half up, in one fused op
-
-
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (rows, in) -> (uint8 rows q + 128, fp32 scale per row): each row symmetric on its own max, rounded half
-    up. Five ops, each per row or per element: a linear's whole overhead over the bf16 product is here."""
-    scale = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32).clamp_min_(1e-30).div_(127)
-    return torch.addcdiv(_SHIFT, x, scale).to(torch.uint8), scale
+    """x (rows, in) -> (uint8 rows q + 128, fp32 scale per row): each row symmetric on its own max, times the
+    row's 127 / max, rounded half up (+ 0.5, then truncation). Every op is per row or per element, so a row's bits
+    never depend on the others; a product, not a quotient, since ATen divides a single row by its one divisor as a
+    product with the reciprocal and several rows by true division. These few ops are an int8 linear's whole overhead
+    over the bf16 product (`results/int8/linear.md`)."""
+    top = x.abs().amax(dim=-1, keepdim=True).float().clamp_min_(1e-30)
+    q = torch.mul(x, 127 / top).add_(ZERO_POINT + 0.5)  # fp32 (bf16 times fp32 promotes), never x itself
+    return q.to(torch.uint8), top.div_(127)
 
 
 class Int8Linear(PackedLinear):
