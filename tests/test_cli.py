@@ -218,6 +218,20 @@ def test_bench_writes_to_a_fresh_run_folder_by_default(files, capsys, monkeypatc
     assert json.loads((folder / "results.json").read_text())["settings"]["device"] == "cpu"  # --device: where it ran
 
 
+def test_bench_runs_an_int8_target_against_its_own_plain_decoding(files, capsys, tmp_path):
+    from medusa_heads.inference.int8 import int8_supported
+
+    if not int8_supported():
+        pytest.skip("this PyTorch has no oneDNN int8 linear")
+    out = tmp_path / "int8"
+    code, err = run(["bench", "--prompts", str(files["prompts.jsonl"]), "--model", str(files["model"]), "--limit", "2",
+                     "--max-new-tokens", "12", "--long-tokens", "0", "--methods", "hf,medusa", "--dtype", "int8",
+                     "--out", str(out)], capsys)
+    result = json.loads((out / "results.json").read_text())
+    assert code == 0 and result["settings"]["int8_linears"] and "int8 linears" in (out / "results.md").read_text()
+    assert result["overall"]["medusa"]["mismatches_vs_hf"] == 0
+
+
 def test_ctrl_c_ends_chat_quietly_and_anything_else_with_status_130(files, capsys, monkeypatch):
     def ctrl_c(*args):
         raise KeyboardInterrupt

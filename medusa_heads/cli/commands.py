@@ -182,7 +182,7 @@ def _load_medusa(args: argparse.Namespace):
     _check_model(args.model)
     _check_heads(args.heads)
     _check_device(args.device)
-    import torch
+    dtype = _dtype_kwargs(args.dtype, args.device)  # --dtype int8 off a CPU: one line before anything loads
 
     from medusa_heads.model import MedusaModel
 
@@ -192,8 +192,7 @@ def _load_medusa(args: argparse.Namespace):
         warnings.filterwarnings("ignore", "no shipped heads were trained", UserWarning)
         model = MedusaModel.from_pretrained(args.model, heads=args.heads or "auto", tree=getattr(args, "tree", None),
                                             allow_base_mismatch=args.allow_base_mismatch,
-                                            device_map=args.device, prepack=None if args.prepack else False,
-                                            **_dtype_kwargs(args.dtype, args.device))
+                                            device_map=args.device, prepack=None if args.prepack else False, **dtype)
     if not model.config.extra:  # trained heads record their recipe and training; new heads record nothing
         where = f"{args.heads} holds" if args.heads else f"no shipped heads fit {args.model}, so it runs with"
         _note(f"untrained heads: {where} zero-initialised heads; tau will be near 1.0; train heads with `medusa-heads train`")
