@@ -2,7 +2,7 @@
 machine's, timed at first use (calibration/machine.py): one process, the same base, the two alternating per prompt
 with transformers' `generate` as the yardstick; greedy, so every output must equal `generate`'s.
 
-    python experiments/machine_cost_ab.py [--prompts data/bench_prompts.jsonl] [--max-new-tokens 128]
+    python experiments/machine_cost_ab.py [--prompts data/bench_prompts.jsonl] [--max-new-tokens 128] [--dtype bf16]
 """
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ def main() -> None:
     ap.add_argument("--prompts", default="data/bench_prompts.jsonl")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: with the row-exact attention")
     ap.add_argument("--out", default="results/ab/machine_cost_ab.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ[machine.ENV] = "off"
-    stored = MedusaModel.from_pretrained()
+    stored = MedusaModel.from_pretrained(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     tok = stored.tokenizer if hasattr(stored, "tokenizer") else None
     if tok is None:
         from transformers import AutoTokenizer
@@ -73,7 +74,7 @@ def main() -> None:
     hf = tokens["hf"] / secs["hf"]
     cost = local.cost_model()
     lines = ["# Trees sized by the stored cost tables against this machine's", "",
-             f"{machine.cpu_name()}, {args.threads} threads, fp32 prepacked, shipped heads, {len(rows)} prompts of "
+             f"{machine.cpu_name()}, {args.threads} threads, {args.dtype} prepacked{' (row-exact attention)' if args.dtype == 'bf16' else ''}, shipped heads, {len(rows)} prompts of "
              f"`{args.prompts}`, {args.max_new_tokens} new tokens, greedy; this machine's tables ({local.cost_model_key()}) "
              f"in {first_use:.1f} s, the heads' load included (`python experiments/machine_cost_ab.py`).", "",
              "| trees sized by | tokens/s | speed-up vs generate | outputs differing from generate |", "|---|---|---|---|"]
