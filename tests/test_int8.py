@@ -9,7 +9,7 @@ from torch import nn
 
 from medusa_heads import MedusaModel
 from medusa_heads.inference.exact_attention import NAME, rows_invariant, use_exact_attention, uses_exact_attention
-from medusa_heads.inference.int8 import Int8Linear, int8_rows_invariant, int8_supported, is_int8, quantize_linears, quantize_rows, quantize_weight
+from medusa_heads.inference.int8 import LO_STEPS, Int8Linear, int8_rows_invariant, int8_supported, is_int8, quantize_linears, quantize_rows, quantize_weight
 from medusa_heads.inference.prepack import is_prepacked, stock_kernels
 from medusa_heads.tree.adaptive import find_cost, kernels_key
 
@@ -18,6 +18,13 @@ from test_exact import rows_that_differ
 
 EXACT = int8_supported() and int8_rows_invariant(torch.bfloat16) and rows_invariant(torch.bfloat16)
 needs_exact = pytest.mark.skipif(not EXACT, reason="this CPU's int8 or bf16 products are not row-invariant here")
+
+
+def int8_memo():
+    """The levels the last int8 linear of this thread quantised (what its siblings would reuse)."""
+    from medusa_heads.inference import int8
+
+    return int8._last.memo[2]
 
 
 def int8_model(arch: str = "llama", seed: int = 0):
@@ -41,8 +48,8 @@ def test_a_row_is_the_same_bits_whatever_rows_are_beside_it(dtype):
 
 @needs_exact
 def test_the_product_is_the_integer_product_times_the_scales():
-    """What the kernel must compute, from the quantised integers (an int16 pairwise sum, as without VNNI, would
-    saturate and fail this); and within int8's error of the float product."""
+    """What the kernel must compute, from the quantised integers of both levels (an int16 pairwise sum, as without
+    VNNI, would saturate and fail this); and within int8 weights' error of the float product."""
     g = torch.Generator().manual_seed(1)
     lin = nn.Linear(256, 64, bias=True)
     with torch.no_grad():
@@ -54,10 +61,29 @@ def test_the_product_is_the_integer_product_times_the_scales():
         ref = lin(x)
     q, s = quantize_rows(x)
     wq, ws = quantize_weight(lin.weight)
-    assert q[3].eq(128).all() and q.min() >= 1  # symmetric: -127..127, shifted by 128
-    exact = ((q.double() - 128) @ wq.double().T) * s.double() * ws.double() + lin.bias.double()
+    assert q.shape == (16, 256) and q[3].eq(128).all() and q[11].eq(128).all() and q.min() >= 1  # both levels of row 3
+    levels = (q.double() - 128) @ wq.double().T  # the integer products of q_hi (rows 0-7) and q_lo (rows 8-15)
+    exact = (levels[:8] + levels[8:] / LO_STEPS) * s.double() * ws.double() + lin.bias.double()
     torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-4)
-    assert float((y - ref).norm() / ref.norm()) < 0.02
+    rebuilt = s * ((q[:8].float() - 128) + (q[8:].float() - 128) / LO_STEPS)  # two levels: about 15 bits of the row
+    assert float((rebuilt - x).abs().max() / x.abs().max()) < 2e-5
+    assert float((y - ref).norm() / ref.norm()) < 0.01  # int8 weights: about 0.4% here
+
+
+@needs_exact
+def test_siblings_share_the_rows_of_one_input_and_never_a_changed_one():
+    """q, k and v read one input: the second quantises nothing, and gives what it gives alone; an input changed in
+    place since (its version counter) is quantised again."""
+    g = torch.Generator().manual_seed(2)
+    a, b = (Int8Linear(nn.Linear(32, 16).requires_grad_(False)) for _ in range(2))
+    x = torch.randn(3, 32, generator=g)
+    with torch.no_grad():
+        alone = b(x.clone())
+        a(x)
+        q_then = int8_memo()
+        assert torch.equal(b(x), alone) and int8_memo() is q_then  # shared
+        x.mul_(2)
+        assert torch.equal(b(x), b(x.clone())) and int8_memo() is not q_then  # changed: quantised anew
 
 
 @needs_exact
