@@ -1,6 +1,7 @@
 """Where an int8 linear's time goes, against oneDNN's packed bf16 product, for SmolLM2-135M's shapes: the int8 GEMM
-alone (activations already quantised), and the whole Int8Linear (each row quantised, then scaled back). Microseconds
-a call, median of 5 rounds of 200 calls, 2 threads, one process, the contenders alternating.
+alone (both levels of the rows already quantised: twice the rows), and the whole Int8Linear (each row quantised in
+two levels, then scaled back; under inference mode, so no call reuses a sibling's levels). Microseconds a call,
+median of 5 rounds of 200 calls, 2 threads, one process, the contenders alternating.
 
     python experiments/int8_linear.py > results/int8/linear.md
 """
@@ -38,8 +39,9 @@ def cpu_name() -> str:
 def main() -> None:
     torch.set_num_threads(2)
     print(f"# An int8 linear against a bf16 one\n\n{cpu_name()}, 2 threads, torch {torch.__version__}; "
-          "microseconds a call, median of 5 rounds (`python experiments/int8_linear.py`).\n")
-    print("| linear | rows | bf16, oneDNN packed | int8 GEMM alone | Int8Linear (quantise, GEMM, scale) |")
+          "microseconds a call, median of 5 rounds; the int8 GEMM takes both levels of the rows, twice the rows "
+          "(`python experiments/int8_linear.py`).\n")
+    print("| linear | rows | bf16, oneDNN packed | int8 GEMM alone | Int8Linear (quantise both levels, GEMM, scale) |")
     print("|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
