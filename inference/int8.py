@@ -81,8 +81,8 @@ def rows_of(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tens
 
 
 class Int8Linear(PackedLinear):
-    """y = x W^T + b through oneDNN's int8 GEMM, activations quantised per row at each call (see the module's
-    docstring). `weight` and `bias` stay the original Parameters; `enabled = False` (`stock_kernels`) runs the stock
+    """y = x W^T + b through oneDNN's int8 GEMM, each row of the activations quantised in two levels at each call
+    (see the module's docstring). `weight` and `bias` stay the original Parameters; `enabled = False` (`stock_kernels`) runs the stock
     product on them instead."""
 
     def __init__(self, linear: nn.Linear) -> None:

@@ -23,7 +23,7 @@ from medusa_heads.inference.adaptive import AdaptiveDrafter, DraftObserver
 from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
 from medusa_heads.inference.exact_attention import register as register_exact_attention, rows_invariant
-from medusa_heads.inference.int8 import int8_supported, quantize_linears
+from medusa_heads.inference.int8 import int8_rows_invariant, int8_supported, quantize_linears
 from medusa_heads.inference.plan import ADAPTIVE, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
@@ -192,6 +192,10 @@ class MedusaModel(nn.Module):
             if base.device.type != "cpu":
                 raise ValueError(f"quantize='int8' runs on a CPU; this base is on {base.device}: leave out quantize")
             quantize_linears(base)
+            if not int8_rows_invariant(base.dtype):
+                warnings.warn("quantize='int8': this CPU's int8 products are not exact integer sums (checked: "
+                              "int8_rows_invariant), so greedy output may leave the int8 model's plain decoding at "
+                              "near-ties of the top two tokens", UserWarning, stacklevel=2)
         elif prepack:
             prepack_linears(base)
         lm_weight = base.get_output_embeddings().weight
