@@ -71,7 +71,8 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     # first `shared` keys (the cached prefix) are every row's first, in cache order: copied as one broadcast, and only
     # the rest gathered row by row (a gather of the whole width costs 4-6x more)
     order, shared = plan[1], plan[2]
-    rows = torch.stack([_row_values(values[i], order[i], shared, t) for i in range(b)])
+    rows = (_row_values(values[0], order[0], shared, t)[None] if b == 1
+            else torch.stack([_row_values(values[i], order[i], shared, t) for i in range(b)]))
     out = torch.matmul(probs.view(b, hkv, groups, t, width).transpose(2, 3), rows)  # (B, Hkv, T, groups, D)
     return out.transpose(2, 3).reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
 
