@@ -7,14 +7,14 @@ median of 5 rounds of 200 calls, 2 threads, one process, the contenders alternat
 """
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 
 import torch
 from torch import nn
 
-from medusa_heads.inference.int8 import ZERO_POINT, Int8Linear, quantize_rows
+from medusa_heads.calibration.machine import cpu_name
+from medusa_heads.inference.int8 import Int8Linear, quantize_rows
 
 SHAPES = {"q, o (576 → 576)": (576, 576), "k, v (576 → 192)": (192, 576), "gate, up (576 → 1536)": (1536, 576),
           "down (1536 → 576)": (576, 1536), "LM head (576 → 49,152)": (49152, 576)}
@@ -27,13 +27,6 @@ def per_call(fn, x, calls: int = 200) -> float:
     for _ in range(calls):
         fn(x)
     return (time.perf_counter() - start) / calls * 1e6
-
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:
@@ -55,9 +48,7 @@ def main() -> None:
                 q, _ = quantize_rows(x)
                 contenders = {
                     "bf16": (lambda a: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), x),
-                    "gemm": (lambda a: torch.ops.onednn.qlinear_pointwise(
-                        a, 1.0, ZERO_POINT, layer.packed, layer.weight_scale, layer.zero_points, None, 1.0, 0,
-                        torch.float32, "none", [], ""), q),
+                    "gemm": (layer.gemm, q),
                     "int8": (layer, x),
                 }
                 times = {k: [] for k in contenders}

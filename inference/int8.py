@@ -82,28 +82,25 @@ def rows_of(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tens
 
 class Int8Linear(PackedLinear):
     """y = x W^T + b through oneDNN's int8 GEMM, each row of the activations quantised in two levels at each call
-    (see the module's docstring). `weight` and `bias` stay the original Parameters; `enabled = False` (`stock_kernels`) runs the stock
-    product on them instead."""
+    (see the module's docstring). `weight` and `bias` stay the original Parameters; `enabled = False`
+    (`stock_kernels`) runs the stock product on them instead."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        self.enabled = True
-        self.packed_as = (linear.weight.dtype, linear.weight.device)
-        with torch.no_grad():
-            q, scale = quantize_weight(linear.weight)
-            self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+    def pack(self, weight: torch.Tensor, batch_hint: int) -> None:
+        q, scale = quantize_weight(weight)
+        self.packed = torch.ops.onednn.qlinear_prepack(q, None)
         self.register_buffer("weight_scale", scale, persistent=False)
         self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.int64), persistent=False)
 
+    def gemm(self, q: torch.Tensor) -> torch.Tensor:
+        """The int8 GEMM of uint8 rows (quantize_rows' levels) with the weights: fp32 sums times the weights' scales."""
+        return torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, self.packed, self.weight_scale, self.zero_points,
+                                                  None, 1.0, 0, torch.float32, "none", [], "")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        here = (self.weight.dtype, self.weight.device)  # a later .to() leaves the int8 copy behind: stock product
-        if not self.enabled or x.requires_grad or (x.dtype, x.device) != here or here != self.packed_as:
+        if not self.serves(x):
             return nn.functional.linear(x, self.weight, self.bias)
         q, scale = rows_of(x, self.in_features)
-        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, self.packed, self.weight_scale, self.zero_points,
-                                               None, 1.0, 0, torch.float32, "none", [], "")
+        y = self.gemm(q)
         n = scale.shape[0]
         y = torch.add(y[:n], y[n:], alpha=1 / LO_STEPS).mul_(scale)
         if self.bias is not None:
@@ -157,11 +154,9 @@ def int8_rows_invariant(dtype: torch.dtype = torch.bfloat16) -> bool:
             for m in (2, 5, 8, 16, 32):
                 if not torch.equal(layer(x[:m]), alone[:m]):
                     return False
-            q, s = quantize_rows(x)
-            wq, ws = quantize_weight(lin.weight)
+            q, _ = quantize_rows(x)
+            wq, _ = quantize_weight(lin.weight)
             exact = (q.double() - ZERO_POINT) @ wq.double().T  # |sums| < 2^53: exact in float64
-            y = torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, layer.packed, ws, layer.zero_points,
-                                                   None, 1.0, 0, torch.float32, "none", [], "")
-            if not torch.allclose(y.double(), exact * ws.double(), rtol=1e-6, atol=0):  # fp32 rounding only
-                return False
+            if not torch.allclose(layer.gemm(q).double(), exact * layer.weight_scale.double(), rtol=1e-6, atol=0):
+                return False  # more than fp32 rounding: the sums were not exact
     return True

@@ -43,11 +43,20 @@ class PackedLinear(nn.Module):
         self.enabled = True  # False: plain nn.functional.linear (the stock kernels), for comparisons
         self.packed_as = (linear.weight.dtype, linear.weight.device)
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+            self.pack(linear.weight.detach(), batch_hint)
+
+    def pack(self, weight: torch.Tensor, batch_hint: int) -> None:
+        """The weight in the kernel's own layout, made once (a subclass packs for its own kernel)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether the packed copy computes this call: enabled, no gradient, and the dtype and device it was made for
+        (a later .to() or .half() falls back to the stock product)."""
+        return (self.enabled and not x.requires_grad
+                and (x.dtype, x.device) == (self.weight.dtype, self.weight.device) == self.packed_as)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the packed copy serves only the dtype and device it was made for (a later .to() or .half() falls back)
-        if not self.enabled or x.requires_grad or not (x.dtype, x.device) == (self.weight.dtype, self.weight.device) == self.packed_as:
+        if not self.serves(x):
             return nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

@@ -156,7 +156,7 @@ class MedusaModel(nn.Module):
         near-ties), else the base's dtype. New heads (heads=None) keep the base's dtype, for training. Output is the
         target's whatever the heads' dtype.
         quantize: "int8" runs the base's linears, LM head included, through oneDNN's int8 GEMM with weights quantised
-        per channel and activations per token (inference/int8.py, CPU only). Integer sums make its rows exact, so
+        per channel and each token's activations in two int8 levels (inference/int8.py, CPU only). Integer sums make its rows exact, so
         greedy output is this int8 model's own plain greedy decoding token for token (with the row-exact attention,
         which a base this call loads gets: it loads in bf16 unless base_kwargs give a dtype, or the CPU has no bf16
         kernels). It replaces prepack. A model passed in is quantised in place, so `base.generate` runs it too."""
