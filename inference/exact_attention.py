@@ -154,9 +154,10 @@ def uses_exact_attention(model) -> bool:
 
 @functools.cache
 def rows_invariant(dtype: torch.dtype, device: str = "cpu", sizes: tuple[tuple[int, int], ...] = (
-        (576, 576), (1536, 576), (576, 1536), (64, 64), (512, 64))) -> bool:
+        (576, 576), (1536, 576), (576, 1536), (960, 576), (3072, 576), (64, 64), (512, 64))) -> bool:
     """Whether this machine's products give a row the same bits whatever the number of rows beside it (1 to 32),
-    for linears of these (out, in) sizes and both orders of batched products: the kernels' half of exactness."""
+    for linears of these (out, in) sizes (SmolLM2's, its q, k and v stacked, its gate and up stacked) and both orders
+    of batched products: the kernels' half of exactness."""
     from medusa_heads.inference.prepack import packs
 
     gen = torch.Generator().manual_seed(0)

@@ -27,7 +27,7 @@ import threading
 import torch
 from torch import nn
 
-from medusa_heads.inference.prepack import PackedLinear
+from medusa_heads.inference.prepack import PackedLinear, fuse_siblings
 
 ZERO_POINT = 128  # oneDNN takes unsigned activations: q_x + 128 in uint8, and the kernel subtracts it back
 
@@ -96,9 +96,7 @@ class Int8Linear(PackedLinear):
         return torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, self.packed, self.weight_scale, self.zero_points,
                                                   None, 1.0, 0, torch.float32, "none", [], "")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.serves(x):
-            return nn.functional.linear(x, self.weight, self.bias)
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         q, scale = rows_of(x, self.in_features)
         y = self.gemm(q)
         n = scale.shape[0]
@@ -108,7 +106,8 @@ class Int8Linear(PackedLinear):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 weights, two-level int8 rows (oneDNN)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 weights, two-level int8 rows (oneDNN)" + (
+            ", one product with its siblings" if self.siblings is not None else "")
 
 
 def quantize_linears(model: nn.Module) -> int:
@@ -127,6 +126,7 @@ def quantize_linears(model: nn.Module) -> int:
                                  "CPU models are quantised")
             setattr(parent, name, Int8Linear(child))
             swapped += 1
+    fuse_siblings(model)
     return swapped
 
 

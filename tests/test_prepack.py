@@ -7,7 +7,7 @@ from torch import nn
 
 from medusa_heads import MedusaModel
 from medusa_heads.inference.prepack import (
-    PackedLinear, bf16_supported, is_prepacked, packs, prepack_linears, prepack_supported, stock_kernels,
+    PackedLinear, Siblings, bf16_supported, is_prepacked, packs, prepack_linears, prepack_supported, stock_kernels,
 )
 
 from conftest import assert_diverges_only_at_a_near_tie, chat_ids, randomize_heads, tiny_model
@@ -38,6 +38,57 @@ def test_prepack_keeps_weights_keys_and_ties(dtype):
         torch.testing.assert_close(got, ref, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=0)
         with stock_kernels(base):  # the very kernels of the unpacked model: bit for bit
             assert torch.equal(base(ids).logits, ref)
+
+
+def sibling_groups(model: nn.Module) -> list[Siblings]:
+    return list({id(m.siblings): m.siblings for m in model.modules()
+                 if isinstance(m, PackedLinear) and m.siblings is not None}.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q, k and v
+def test_siblings_make_one_product_and_each_member_gets_its_own_columns(arch):
+    base = tiny_model(arch)
+    ref = tiny_model(arch)
+    prepack_linears(base)
+    layers = base.model.layers
+    assert len(sibling_groups(base)) == 2 * len(layers)
+    attn = layers[0].self_attn
+    assert attn.q_proj.siblings is attn.v_proj.siblings is not layers[0].mlp.up_proj.siblings
+    assert (attn.q_proj.bias is not None) == (arch == "qwen2")
+    x = torch.randn(1, 5, base.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            own = getattr(attn, name)
+            torch.testing.assert_close(own(x), nn.functional.linear(x, own.weight, own.bias), atol=1e-5, rtol=0)
+        ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(base(ids).logits, ref(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_sibling_never_takes_columns_made_for_a_changed_or_another_input(mode):
+    """The first member called computes the product for all; the others take their columns only of that very input
+    unchanged since (its version counter), and each once: a changed input, another one, or a second call of the same
+    member makes the product again."""
+    base = tiny_model("llama")
+    prepack_linears(base)
+    attn = base.model.layers[0].self_attn
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    g = torch.Generator().manual_seed(1)
+
+    def alone(m, x):
+        return nn.functional.linear(x, m.weight, m.bias)
+
+    with getattr(torch, mode)():
+        x = torch.randn(3, base.config.hidden_size, generator=g)
+        q(x)
+        if mode == "no_grad":  # inference tensors keep no version counter to tell
+            x.mul_(2)
+            torch.testing.assert_close(k(x), alone(k, x), atol=1e-5, rtol=0)
+        y = torch.randn(3, base.config.hidden_size, generator=g)
+        torch.testing.assert_close(v(y), alone(v, y), atol=1e-5, rtol=0)
+        q(x)
+        k(x)
+        torch.testing.assert_close(k(x), alone(k, x), atol=1e-5, rtol=0)  # again: the product for it made anew
 
 
 def test_prepacked_model_cast_later_falls_back_to_stock_kernels():
