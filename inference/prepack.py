@@ -54,8 +54,11 @@ class PackedLinear(nn.Module):
     def serves(self, x: torch.Tensor) -> bool:
         """Whether the packed copy computes this call: enabled, no gradient, and the dtype and device it was made for
         (a later .to() or .half() falls back to the stock product)."""
-        return (self.enabled and not x.requires_grad
-                and (x.dtype, x.device) == (self.weight.dtype, self.weight.device) == self.packed_as)
+        if not self.enabled or x.requires_grad:
+            return False
+        weight = self._parameters["weight"]  # what self.weight gives, without Module.__getattr__ (a hot path)
+        dtype, device = self.packed_as
+        return x.dtype == weight.dtype == dtype and x.device == weight.device == device
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b on the packed copy (a subclass computes it with its own kernel)."""
@@ -98,23 +101,25 @@ class Siblings:
                 stacked.bias = nn.Parameter(torch.cat([m.bias.detach() for m in members]), requires_grad=False)
             self.kernel = type(lead)(stacked)
         self.kernel.weight = None  # the packed copy is all the product reads; the members keep the original weights
-        ends = torch.tensor([m.out_features for m in members]).cumsum(0).tolist()
-        self.bounds = list(zip([0] + ends[:-1], ends))
+        self.sizes = [m.out_features for m in members]
         for i, m in enumerate(members):
             m.siblings, m.sibling_index, m.packed = self, i, None
 
     def columns(self, member: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-        version = None if torch.is_inference(x) else x._version
+        try:
+            version = x._version
+        except RuntimeError:  # an inference tensor
+            version = None
         memo = getattr(_last, "memo", None)
         i = member.sibling_index
-        if memo is None or memo[0] is not self or memo[1] is not x or memo[2] != version or i in memo[4]:
-            memo = (self, x, version, self.kernel.product(x), set())
+        if memo is None or memo[0] is not self or memo[1] is not x or memo[2] != version or memo[4][i]:
+            memo = [self, x, version, self.kernel.product(x).split(self.sizes, dim=-1), [False] * len(self.sizes), 0]
             _last.memo = memo
-        memo[4].add(i)
-        if len(memo[4]) == len(self.bounds):
+        memo[4][i] = True
+        memo[5] += 1
+        if memo[5] == len(self.sizes):
             _last.memo = None  # every member has its columns: hold nothing past the layer
-        lo, hi = self.bounds[i]
-        return memo[3][..., lo:hi]
+        return memo[3][i]
 
 
 def fuse_siblings(model: nn.Module) -> int:
