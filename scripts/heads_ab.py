@@ -43,8 +43,9 @@ def main() -> None:
                    help="sample at T 0.7, top-p 0.9 (each contender seeded alike per prompt) instead of greedy")
     p.add_argument("--no-prepack", action="store_true",
                    help="the stock kernels (a model the user loaded): the heads draft with their stock cost model")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
-                   help="the target's dtype (bf16: greedy outputs may leave generate's at near-ties, as any bf16 verify)")
+    p.add_argument("--dtype", choices=(*DTYPES, "int8"), default="fp32",
+                   help="the target's dtype (bf16: greedy outputs may leave generate's at near-ties, as any bf16 verify "
+                        "with SDPA; int8: loaded as from_pretrained(..., quantize='int8') does, exact)")
     p.add_argument("--batch-hints", nargs="+", type=int, default=None,
                    help="one per heads directory: each runs on a copy of the target prepacked for that many rows, "
                         "against generate on that copy (the heads' cost model should be measured there)")
@@ -60,11 +61,19 @@ def main() -> None:
     tok = load_tokenizer(args.model)
     hints = args.batch_hints or [None] * len(args.heads)
     bases = {}  # hint -> the target prepacked for it (None: one target, as load_base packs it), shared by its heads
-    for hint in dict.fromkeys(hints):
-        bases[hint] = load_base(args.model, dtype=getattr(torch, DTYPES[args.dtype]), prepack=not args.no_prepack and hint is None)
-        if hint is not None:
-            prepack_linears(bases[hint], batch_hint=hint)
-    models = {name: MedusaModel.from_pretrained(bases[hint], heads=name) for name, hint in zip(args.heads, hints)}
+    if args.dtype == "int8":  # one int8 target (bf16 with the row-exact attention around its int8 linears), shared
+        if args.batch_hints or args.no_prepack:
+            p.error("--dtype int8 takes neither --batch-hints nor --no-prepack")
+        first = MedusaModel.from_pretrained(args.model, heads=args.heads[0], quantize="int8")
+        bases[None] = first.base_model
+        models = {args.heads[0]: first, **{name: MedusaModel.from_pretrained(first.base_model, heads=name, quantize="int8")
+                                           for name in args.heads[1:]}}
+    else:
+        for hint in dict.fromkeys(hints):
+            bases[hint] = load_base(args.model, dtype=getattr(torch, DTYPES[args.dtype]), prepack=not args.no_prepack and hint is None)
+            if hint is not None:
+                prepack_linears(bases[hint], batch_hint=hint)
+        models = {name: MedusaModel.from_pretrained(bases[hint], heads=name) for name, hint in zip(args.heads, hints)}
     generates = {hint: f"generate ({hint}-row packing)" if hint else "generate" for hint in bases}  # hint -> label
     targets = {generates[hint]: base for hint, base in bases.items()}  # label -> the target it generates on
     rows = [(Path(f).stem, r) for f in args.prompts for r in read_prompts(f)]
