@@ -54,11 +54,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rounded half up; q_lo is the remainder in 254 steps. Every op is per row or per element, so a row's bits never
     depend on the others (a product with 127 / max, not a quotient by max / 127: ATen divides a single row by its
     one divisor as a product with the reciprocal, and several rows by true division)."""
+    c = _CONSTANTS  # fp32 tensors for the Python numbers: ATen converts a number to a tensor at every op otherwise
     top = x.abs().amax(dim=-1, keepdim=True).float().clamp_min_(1e-30)
-    t = torch.mul(x, 127 / top).add_(ZERO_POINT + 0.5)  # fp32, never x itself; in [1.5, 255.5]
+    t = torch.mul(x, top.reciprocal().mul_(c["127"])).add_(c["zero+.5"])  # fp32, never x itself; in [1.5, 255.5]
     hi = t.floor()  # q_hi + 128, exact small integers
-    lo = t.sub_(hi).mul_(LO_STEPS).add_(ZERO_POINT + 0.5 - LO_STEPS / 2)  # q_lo + 128 + a fraction, truncated below
-    return torch.cat((hi, lo)).to(torch.uint8), top.div_(127)
+    lo = t.sub_(hi).mul_(c["lo steps"]).add_(c["lo offset"])  # q_lo + 128 + a fraction, truncated below
+    return torch.cat((hi, lo)).to(torch.uint8), top.div_(c["127"])
+
+
+# 127 / top is top.reciprocal() * 127 (as Python's division by a tensor is), and dividing by a one-element CPU tensor
+# is the same product with its reciprocal as dividing by the number: the same ops and bits as with the numbers
+_CONSTANTS = {name: torch.tensor(value, dtype=torch.float32) for name, value in (
+    ("127", 127.0), ("zero+.5", ZERO_POINT + 0.5), ("lo steps", float(LO_STEPS)),
+    ("lo offset", ZERO_POINT + 0.5 - LO_STEPS / 2))}
 
 
 _last = threading.local()  # per thread: the input the last Int8Linear quantised, its version, and its levels
