@@ -119,7 +119,8 @@ class Int8Linear(PackedLinear):
 
 
 def quantize_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear (or PackedLinear) of a CPU model in bf16 or fp32 for an Int8Linear; returns how many.
+    """Swap every nn.Linear (or PackedLinear) of a CPU model in bf16 or fp32 for an Int8Linear, siblings sharing one
+    product (`fuse_siblings`); returns how many.
     Raises for a model on another device or in another dtype, or a PyTorch without oneDNN's int8 linear."""
     if not int8_supported():
         raise RuntimeError("this PyTorch build has no oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise): "

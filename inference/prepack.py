@@ -161,8 +161,9 @@ class PackedWeight:
 
 
 def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
-    """Swap every nn.Linear of a CPU model in fp32 or bf16 for a PackedLinear; returns how many were swapped.
-    Raises for a model on another device or in another dtype, or a PyTorch without oneDNN."""
+    """Swap every nn.Linear of a CPU model in fp32 or bf16 for a PackedLinear, and give siblings one product
+    (`fuse_siblings`); returns how many were swapped. Raises for a model on another device or in another dtype, or a
+    PyTorch without oneDNN."""
     if not prepack_supported():
         raise RuntimeError("this PyTorch build has no oneDNN packed linear (torch.ops.mkldnn._linear_pointwise)")
     swapped = 0
