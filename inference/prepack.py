@@ -113,11 +113,11 @@ class Siblings:
         memo = getattr(_last, "memo", None)
         i = member.sibling_index
         if memo is None or memo[0] is not self or memo[1] is not x or memo[2] != version or memo[4][i]:
-            memo = [self, x, version, self.kernel.product(x).split(self.sizes, dim=-1), [False] * len(self.sizes), 0]
+            memo = (self, x, version, self.kernel.product(x).split(self.sizes, dim=-1), [False] * len(self.sizes))
             _last.memo = memo
-        memo[4][i] = True
-        memo[5] += 1
-        if memo[5] == len(self.sizes):
+        taken = memo[4]
+        taken[i] = True
+        if all(taken):
             _last.memo = None  # every member has its columns: hold nothing past the layer
         return memo[3][i]
 
