@@ -7,16 +7,16 @@ greedy; `generate` as the yardstick. Both must give the same tokens.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from medusa_heads import MedusaModel, default_model_path, prompt_ids
 from medusa_heads.calibration.machine import cpu_name
 from medusa_heads.cli.commands import _read_prompts
 from medusa_heads.inference import exact_attention
+
+from ab_loop import alternate  # noqa: E402  (experiments/ is the script's folder)
 
 KEPT = exact_attention._row_values
 
@@ -38,35 +38,29 @@ def main() -> None:
     model = MedusaModel.from_pretrained(dtype=torch.bfloat16)
     base = model.base_model
     rows = _read_prompts(args.prompts)
-    arms = {"hf": None, "whole width gathered": whole_width, "prefix broadcast (kept)": KEPT}
-    secs, tokens, differ = ({a: 0.0 for a in arms}, {a: 0 for a in arms}, {a: 0 for a in arms})
+
+    def run(values):
+        def arm(ids):
+            if values is None:
+                return base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                     do_sample=False)
+            exact_attention._row_values = values
+            return model.generate(ids, max_new_tokens=args.max_new_tokens)
+        return arm
+
+    arms = {"hf": run(None), "whole width gathered": run(whole_width), "prefix broadcast (kept)": run(KEPT)}
     model.generate(prompt_ids(tok, "Hello"), max_new_tokens=8)
-    for i, row in enumerate(tqdm(rows, desc="A/B", unit="prompt")):
-        ids = prompt_ids(tok, row.turns[0])
-        outs = {}
-        for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
-            t0 = time.perf_counter()
-            if arms[arm] is None:
-                out = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                    do_sample=False)
-            else:
-                exact_attention._row_values = arms[arm]
-                out = model.generate(ids, max_new_tokens=args.max_new_tokens)
-            secs[arm] += time.perf_counter() - t0
-            tokens[arm] += out.shape[1] - ids.shape[1]
-            outs[arm] = out
-        for arm in arms:
-            differ[arm] += not torch.equal(outs[arm], outs["hf"])
-    exact_attention._row_values = KEPT
-    hf = tokens["hf"] / secs["hf"]
+    try:
+        tps, differ = alternate(tok, rows, arms)
+    finally:
+        exact_attention._row_values = KEPT
     lines = ["# The row-exact attention's per-row values: whole width gathered against prefix broadcast", "",
              f"{cpu_name()}, 2 threads, bf16, shipped heads, {len(rows)} prompts of `{args.prompts}`, "
              f"{args.max_new_tokens} new tokens, greedy, alternating per prompt in one process "
              "(`python experiments/exact_gather_ab.py`).", "",
              "| values | tokens/s | × generate | outputs differing from generate |", "|---|---|---|---|"]
     for arm in arms:
-        tps = tokens[arm] / secs[arm]
-        lines.append(f"| {arm} | {tps:.1f} | {tps / hf:.2f} | {differ[arm]} |")
+        lines.append(f"| {arm} | {tps[arm]:.1f} | {tps[arm] / tps['hf']:.2f} | {differ[arm]} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

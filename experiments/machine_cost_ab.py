@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from medusa_heads import MedusaModel
 from medusa_heads.calibration import machine
 from medusa_heads.cli.commands import _read_prompts
 from medusa_heads.prompting import prompt_ids
+
+from ab_loop import alternate  # noqa: E402  (experiments/ is the script's folder)
 
 
 def main() -> None:
@@ -47,31 +48,18 @@ def main() -> None:
     base = stored.base_model
     rows = _read_prompts(args.prompts)
     methods = {"hf": None, "stored tables": stored, "this machine's": local}
-    secs = {m: 0.0 for m in methods}
-    tokens = {m: 0 for m in methods}
-    differ = {m: 0 for m in methods}
     warm = prompt_ids(tok, "Hello")
     for m in methods.values():
         if m is not None:
             m.generate(warm, max_new_tokens=8)
-    for i, row in enumerate(tqdm(rows, desc="A/B", unit="prompt")):
-        ids = prompt_ids(tok, row.turns[0])
-        outs = {}
-        order = list(methods) if i % 2 == 0 else list(methods)[::-1]
-        for name in order:
-            model = methods[name]
-            t = time.perf_counter()
-            if model is None:
-                out = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                    do_sample=False)
-            else:
-                out = model.generate(ids, max_new_tokens=args.max_new_tokens)
-            secs[name] += time.perf_counter() - t
-            tokens[name] += out.shape[1] - ids.shape[1]
-            outs[name] = out
-        for name in methods:
-            differ[name] += not torch.equal(outs[name], outs["hf"])
-    hf = tokens["hf"] / secs["hf"]
+
+    def run(model):
+        if model is None:
+            return lambda ids: base.generate(ids, attention_mask=torch.ones_like(ids),
+                                             max_new_tokens=args.max_new_tokens, do_sample=False)
+        return lambda ids: model.generate(ids, max_new_tokens=args.max_new_tokens)
+
+    tps, differ = alternate(tok, rows, {name: run(m) for name, m in methods.items()})
     cost = local.cost_model()
     lines = ["# Trees sized by the stored cost tables against this machine's", "",
              f"{machine.cpu_name()}, {args.threads} threads, {args.dtype} prepacked{' (row-exact attention)' if args.dtype == 'bf16' else ''}, shipped heads, {len(rows)} prompts of "
@@ -79,8 +67,7 @@ def main() -> None:
              f"in {first_use:.1f} s, the heads' load included (`python experiments/machine_cost_ab.py`).", "",
              "| trees sized by | tokens/s | speed-up vs generate | outputs differing from generate |", "|---|---|---|---|"]
     for name in methods:
-        tps = tokens[name] / secs[name]
-        lines.append(f"| {name} | {tps:.1f} | {tps / hf:.2f} | {differ[name]} |")
+        lines.append(f"| {name} | {tps[name]:.1f} | {tps[name] / tps['hf']:.2f} | {differ[name]} |")
     lines += ["", "This machine's plain step and verify at 256 cached tokens (ms by tree tokens 1, 2, 4, 8, 16, 32): "
               + ", ".join(f"{float(cost.verify_ms(256)[n - 1]):.1f}" for n in (1, 2, 4, 8, 16, 32)),
               "The stored tables' (ms, same sizes): "
