@@ -10,6 +10,7 @@ import torch
 
 from medusa_heads.tree.buffers import TreeBuffers
 from medusa_heads.inference.accept import accept_choices
+from medusa_heads.inference.cache import keep_accepted, new_cache
 from medusa_heads.inference.propose import Draft
 from medusa_heads.inference.sampling import process_tree
 from medusa_heads.inference.verify import Target, TargetOutput
@@ -164,7 +165,7 @@ class _OneRow:
 
     def commit(self, running, keeps):
         state = self.states[0]
-        self.target.keep_accepted(self.cache, state.past, keeps[0])
+        keep_accepted(self.cache, state.past, keeps[0])
         state.past += keeps[0].shape[0]
 
 
@@ -176,7 +177,7 @@ def decode(target: Target, plan: "DecodePlan", input_ids: torch.Tensor, max_new_
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
     capacity = prompt_len + max_new_tokens + plan.max_size  # past the plan's largest tree the cache grows
-    cache = target.new_cache(capacity) if cache is None else cache
+    cache = new_cache(target.model, capacity) if cache is None else cache
     sequence = torch.empty(prompt_len + max_new_tokens, dtype=torch.long, device=input_ids.device)
     sequence[:prompt_len] = input_ids[0]
     on_emit = None if streamer is None else (lambda chunk: streamer.put(torch.tensor(chunk)))

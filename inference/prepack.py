@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 
 import torch
 from torch import nn
@@ -34,42 +33,6 @@ def packs(dtype: torch.dtype) -> bool:
     return prepack_supported() and (dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_supported()))
 
 
-_modules: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
-_keys_lock = threading.Lock()
-_next_key = [0]
-
-
-def register(module: torch.nn.Module) -> int:
-    """A key under which the custom op finds this packed linear: a compiled graph holds the key, not the module
-    or its packed weight (inference/compiled.py)."""
-    with _keys_lock:
-        key = _next_key[0]
-        _next_key[0] += 1
-    _modules[key] = module
-    return key
-
-
-def _packed_linear(x: torch.Tensor, key: int) -> torch.Tensor:
-    """The packed linear registered under `key`, applied to x as its eager forward would (its sibling product's
-    columns where it has siblings), returned contiguous."""
-    module = _modules[key]
-    out = module.siblings.columns(module, x) if module.siblings is not None else module.product(x)
-    return out.contiguous()
-
-
-def _packed_linear_meta(x: torch.Tensor, key: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _modules[key].out_features)
-
-
-# A plain CPU kernel in the dispatcher (torch.library.custom_op's wrapper costs tens of microseconds a call, a
-# compiled step makes 200 of them); inference only, so no autograd formula.
-_lib = torch.library.Library("medusa_heads", "DEF")
-_lib.define("packed_linear(Tensor x, int key) -> Tensor")
-_lib.impl("packed_linear", _packed_linear, "CPU")
-_lib.impl("packed_linear", _packed_linear_meta, "Meta")
-packed_linear = torch.ops.medusa_heads.packed_linear.default
-
-
 class PackedLinear(nn.Module):
     """y = x W^T + b through oneDNN with W packed once; `weight` and `bias` are the original Parameters."""
 
@@ -83,7 +46,6 @@ class PackedLinear(nn.Module):
         self.packed_as = (linear.weight.dtype, linear.weight.device)
         with torch.no_grad():
             self.pack(linear.weight.detach(), batch_hint)
-        self.op_key = register(self)
 
     def pack(self, weight: torch.Tensor, batch_hint: int) -> None:
         """The weight in the kernel's own layout, made once (a subclass packs for its own kernel)."""
@@ -105,8 +67,6 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.serves(x):
             return nn.functional.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():  # one opaque op in the graph, computing what the lines below compute
-            return packed_linear(x, self.op_key)
         if self.siblings is not None:
             return self.siblings.columns(self, x)
         return self.product(x)

@@ -9,7 +9,6 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from medusa_heads.tree.buffers import TreeBuffers
-from medusa_heads.inference.cache import keep_accepted, new_cache
 from medusa_heads.inference.layers import attention_layout
 from medusa_heads.inference.screen import ScreenCache
 from medusa_heads.inference.tap import LMHeadTap
@@ -49,14 +48,6 @@ class Target:
             # honour with a mask too. Same logits, bit for bit; at 4K cached tokens a 2-token verify of SmolLM2
             # costs ~1.2x a plain step instead of ~2x. Process-wide, as transformers reads it; a user's own setting wins.
             os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-
-    def new_cache(self, capacity: int) -> DynamicCache:
-        """An empty cache for one sequence of up to `capacity` entries (it grows past them)."""
-        return new_cache(self.model, capacity)
-
-    def keep_accepted(self, cache: DynamicCache, past: int, keep: torch.Tensor) -> None:
-        """After a verify at `past`, the cache keeps the tree nodes `keep` (root first) and nothing else of it."""
-        keep_accepted(cache, past, keep)
 
     def _run(self, **kwargs) -> TargetOutput:
         kwargs[self.cache_kw] = kwargs.pop("cache")

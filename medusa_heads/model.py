@@ -26,7 +26,6 @@ from medusa_heads.inference.exact_attention import register as register_exact_at
 from medusa_heads.inference.int8 import int8_rows_invariant, int8_supported, quantize_linears
 from medusa_heads.inference.plan import ADAPTIVE, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
-from medusa_heads.inference.compiled import CompiledTarget
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
 from medusa_heads.inference.support import check_tree_attention
 from medusa_heads.inference.verify import Target
@@ -57,14 +56,13 @@ class MedusaGenerateOutput:
 
 class MedusaModel(nn.Module):
     def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads,
-                 tree: str | Sequence[Sequence[int]] | TreeSpec | None = None, phrases: NgramStore | None = None,
-                 compile: bool = False) -> None:
+                 tree: str | Sequence[Sequence[int]] | TreeSpec | None = None, phrases: NgramStore | None = None) -> None:
         super().__init__()
         self.base_model = base_model
         self.heads = heads
         self.config = heads.config
         self.phrases = phrases  # the target's phrasebook (tree/ngrams.py): drafts beside the heads where calibrated
-        self.target = CompiledTarget(base_model) if compile else Target(base_model)
+        self.target = Target(base_model)
         check_tree_attention(self.target)
         self._adaptive_parts = None  # (kernels key, config.adaptive, its parsed parts) last asked about
         self.tree = self._configured_tree()  # the heads' fixed tree: what a call drafts when no per-step tree can be
@@ -135,7 +133,6 @@ class MedusaModel(nn.Module):
         prepack: bool | None = None,
         draft_dtype: torch.dtype | None = None,
         quantize: str | None = None,
-        compile: bool = False,
         **base_kwargs,
     ) -> "MedusaModel":
         """base: the default model's name, a local HF directory, a hub id, or a loaded model.
@@ -162,11 +159,7 @@ class MedusaModel(nn.Module):
         per channel and each token's activations in two int8 levels (inference/int8.py, CPU only). Integer sums make its rows exact, so
         greedy output is this int8 model's own plain greedy decoding token for token (with the row-exact attention,
         which a base this call loads gets: it loads in bf16 unless base_kwargs give a dtype, or the CPU has no bf16
-        kernels). It replaces prepack. A model passed in is quantised in place, so `base.generate` runs it too.
-        compile: run the target's plain steps and tree verifies as torch.compile graphs over a static KV cache, the
-        tree padded to a few sizes (inference/compiled.py): CPU, full-attention models, SDPA or eager attention (not
-        the row-exact one). Each size compiles at its first use (about 30 s on two cores the first time, seconds
-        from inductor's cache); `model.target.warm_up()` compiles them all up front."""
+        kernels). It replaces prepack. A model passed in is quantised in place, so `base.generate` runs it too."""
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize={quantize!r}: the one quantisation is 'int8' (None: the base's own dtype)")
         if quantize and not int8_supported():
@@ -232,7 +225,7 @@ class MedusaModel(nn.Module):
             medusa_heads.cast(draft_dtype or _draft_dtype(lm_weight))
             if lm_weight.device.type == "cpu" and prepack_supported():
                 prepack_heads(medusa_heads)
-        return cls(base, medusa_heads, tree, phrases, compile=compile)
+        return cls(base, medusa_heads, tree, phrases)
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Heads only: config.json + heads.safetensors, in the heads' dtype now (loaded heads draft in bf16 on a

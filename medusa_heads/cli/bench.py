@@ -12,7 +12,6 @@ from tqdm import tqdm
 
 from medusa_heads.config import DEFAULT_TREE
 from medusa_heads.inference.int8 import is_int8
-from medusa_heads.inference.compiled import BUCKETS, MIN_CACHE, CompiledTarget
 from medusa_heads.inference.prepack import is_prepacked, stock_kernels
 from medusa_heads.prompting import eos_ids, prompt_ids, prompt_text, user_turn
 from medusa_heads.tree.adaptive import hardware
@@ -51,7 +50,7 @@ def _peak_mb(device: torch.device) -> float:
 
 PLD_TOKENS = 10  # prompt lookup's continuation length: method "pld" and a bare "+pld"
 PLAIN_METHODS = ("hf", "hf-stock", "pld")
-MEDUSA_METHODS = ("medusa", "medusa-static", "medusa-preset", "medusa-compiled")  # and medusa:PRESET; each may end in +pld / +pldN
+MEDUSA_METHODS = ("medusa", "medusa-static", "medusa-preset")  # and medusa:PRESET; each may end in +pld / +pldN
 
 
 def parse_method(method: str) -> tuple[str, int | None]:
@@ -97,7 +96,7 @@ def method_label(method: str, heads_lookup: int, phrasebook: bool = False) -> st
     if name == "pld":
         return f"pld (lookup {PLD_TOKENS})"
     lookup = heads_lookup if lookup is None else lookup
-    heads = "heads + phrasebook" if phrasebook and name in ("medusa", "medusa-compiled") else "heads"
+    heads = "heads + phrasebook" if phrasebook and name == "medusa" else "heads"
     return f"{method} ({heads + ' only' if lookup == 0 else f'{heads} + lookup {lookup}'})"
 
 
@@ -121,8 +120,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
     device = base.device
     counter = ForwardCounter(base)
     methods = check_methods(methods)
-    trees = {"medusa": None, "medusa-static": model.tree, "medusa-preset": preset, "medusa-compiled": None}  # None: the model's default
-    compiled = compiled_target(model, methods, rows, tokenizer, max(max_new_tokens, long_tokens))
+    trees = {"medusa": None, "medusa-static": model.tree, "medusa-preset": preset}  # None: the model's default
     gen = dict(do_sample=False) if sampling is None else dict(do_sample=True, **sampling)
     engines = llamacpp_engines(base, tokenizer, methods, sampling, max_new_tokens + long_tokens)
     llama_forwards = {}  # a llama.cpp method's target forwards at its last call (its own count; no hook sees them)
@@ -142,14 +140,9 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                                  prompt_lookup_num_tokens=PLD_TOKENS, **gen), None
         name, lookup = parse_method(method)
         extra = {} if lookup is None else dict(prompt_lookup_num_tokens=lookup)
-        eager = model.target
-        model.target = compiled if name == "medusa-compiled" else eager  # the bench is one thread
-        try:
-            res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 tree=trees[name] if name in trees else name.split(":", 1)[1],
-                                 return_dict_in_generate=True, **gen, **extra)
-        finally:
-            model.target = eager
+        res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             tree=trees[name] if name in trees else name.split(":", 1)[1],
+                             return_dict_in_generate=True, **gen, **extra)
         return res.sequences, res.stats
 
     warm = prompt_ids(tokenizer, "Hello").to(device)
@@ -185,12 +178,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                     a = acc[cat][m]
                     a["seconds"] += dt
                     a["tokens"] += new
-                    if m in engines:
-                        a["forwards"] += llama_forwards[m]
-                    elif stats is not None and parse_method(m)[0] == "medusa-compiled":
-                        a["forwards"] += stats.steps  # its graph calls the decoder's forward, past the counter's hook
-                    else:
-                        a["forwards"] += counter.calls - calls0
+                    a["forwards"] += llama_forwards[m] if m in engines else counter.calls - calls0
                     a["peak_mb"] = max(a["peak_mb"], _peak_mb(device))
                 if stats is not None and m == "medusa":
                     for k, v in stats.seconds.items():
@@ -270,17 +258,6 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
         result["verify_sizes"] = {size: {"steps": n, "share": n / total, "tokens_per_step": emitted / n}
                                   for size, (n, emitted) in sorted(verify_sizes.items())}
     return result
-
-
-def compiled_target(model, methods: list[str], rows: list[PromptRow], tokenizer, max_new_tokens: int):
-    """medusa-compiled's target (inference/compiled.py), every shape the prompts need compiled before any timing;
-    None where no method asks for it."""
-    if not any(parse_method(m)[0] == "medusa-compiled" for m in methods if m not in LLAMACPP_METHODS):
-        return None
-    target = CompiledTarget(model.base_model)
-    longest = max(prompt_ids(tokenizer, [{"role": "user", "content": t} for t in row.turns]).shape[1] for row in rows)
-    target.warm_up([MIN_CACHE, longest + 2 * max_new_tokens * max(len(r.turns) for r in rows) + BUCKETS[-1]])
-    return target
 
 
 def llamacpp_engines(base, tokenizer, methods: list[str], sampling: dict | None, n_tokens: int) -> dict:
