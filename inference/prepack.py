@@ -10,6 +10,7 @@ they were) plus a packed copy. Inference only: the packed copy does not follow l
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import torch
@@ -35,6 +36,8 @@ def packs(dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Module):
     """y = x W^T + b through oneDNN with W packed once; `weight` and `bias` are the original Parameters."""
+
+    kernel = "oneDNN"
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 8) -> None:
         super().__init__()
@@ -73,7 +76,52 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         shared = ", one product with its siblings" if self.siblings is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN packed{shared}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.kernel} packed{shared}")
+
+
+class MklPackedLinear(PackedLinear):
+    """An fp32 PackedLinear on MKL's packed SGEMM (cblas_sgemm_pack/compute, the kernel inductor's freezing picks
+    for fp32 linears) instead of oneDNN's. On a 2-core Intel Xeon (AVX-512) at SmolLM2's sizes it takes 1 to 16 rows
+    in 0.45-0.9x oneDNN's time (q, k and v stacked, one row: 15 against 33 us), and gives each row the same bits
+    whatever the rows beside it (oneDNN's fp32 product does not for 1536 -> 576). The packed copy serves any row
+    count: the product is asked for the rows it gets. Packed for 16 rows: packed for 8, 9 to 16 rows of gate and up
+    took 1.3-1.4x oneDNN's time (`results/ab/fp32_kernel_ab.md`)."""
+
+    kernel = "MKL"
+    batch_hint = 16
+
+    def pack(self, weight: torch.Tensor, batch_hint: int) -> None:
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, self.batch_hint)
+        # the op reads only the weight's sizes (the output's columns, the leading dimension): no second copy
+        self.shape_only = weight.new_zeros(()).expand(weight.shape)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.shape_only, self.bias, rows)
+
+
+def mkl_packs() -> bool:
+    """Whether fp32 linears are packed for MKL (MklPackedLinear) rather than oneDNN: on Intel CPUs, where it was
+    measured faster, with MKL's packed SGEMM in this build. MEDUSA_HEADS_FP32_KERNEL=mkl or onednn decides instead."""
+    choice = os.environ.get("MEDUSA_HEADS_FP32_KERNEL", "").strip().lower()
+    if choice not in ("", "mkl", "onednn"):
+        raise ValueError(f"MEDUSA_HEADS_FP32_KERNEL={choice!r}: use mkl or onednn (or leave it unset)")
+    available = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    if choice:
+        return choice == "mkl" and available
+    return available and cpu_vendor() == "GenuineIntel"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 # Linears of one module that read one input, by the names decoder layers give them: attention's q, k and v, the
@@ -166,7 +214,7 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
     PyTorch without oneDNN."""
     if not prepack_supported():
         raise RuntimeError("this PyTorch build has no oneDNN packed linear (torch.ops.mkldnn._linear_pointwise)")
-    swapped = 0
+    swapped, mkl = 0, mkl_packs()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
@@ -177,7 +225,8 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
             if not packs(child.weight.dtype):
                 raise ValueError(f"prepack_linears: {name} is bf16, and this CPU has no oneDNN bf16 kernels (they need "
                                  "AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT); leave a bf16 model on the stock kernels")
-            setattr(parent, name, PackedLinear(child, batch_hint))
+            kind = MklPackedLinear if child.weight.dtype == torch.float32 and mkl else PackedLinear
+            setattr(parent, name, kind(child, batch_hint))
             swapped += 1
     fuse_siblings(model)
     return swapped

@@ -7,7 +7,8 @@ from torch import nn
 
 from medusa_heads import MedusaModel
 from medusa_heads.inference.prepack import (
-    PackedLinear, Siblings, bf16_supported, is_prepacked, packs, prepack_linears, prepack_supported, stock_kernels,
+    MklPackedLinear, PackedLinear, Siblings, bf16_supported, is_prepacked, mkl_packs, packs, prepack_linears,
+    prepack_supported, stock_kernels,
 )
 
 from conftest import assert_diverges_only_at_a_near_tie, chat_ids, randomize_heads, tiny_model
@@ -195,3 +196,47 @@ def test_loaded_heads_draft_in_bf16_packed_on_a_cpu_and_output_stays_the_targets
         ids = torch.randint(0, 96, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
         want = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=40), want), seed
+
+
+MKL = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+@pytest.mark.skipif(not MKL, reason="this PyTorch build has no MKL packed SGEMM")
+def test_mkl_packed_linear_serves_any_row_count_and_its_siblings(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    for features, bias in ((576, False), (37, True)):
+        linear = nn.Linear(features, 3 * features // 2 + 1, bias=bias)
+        packed = MklPackedLinear(linear)
+        assert packed.shape_only.untyped_storage().nbytes() <= 4  # sizes only: no second copy of the weight
+        with torch.no_grad():
+            for rows in (1, 2, 5, 8, 9, 16, 33):
+                x = torch.randn(1, rows, features, generator=g)
+                torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("MEDUSA_HEADS_FP32_KERNEL", "mkl")
+    base, ref = tiny_model("qwen2"), tiny_model("qwen2")  # biased q, k and v
+    prepack_linears(base)
+    assert {type(m) for m in base.modules() if isinstance(m, PackedLinear)} == {MklPackedLinear}
+    assert all(g.kernel.__class__ is MklPackedLinear for g in sibling_groups(base))
+    ids = torch.randint(0, 96, (1, 12), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(base(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
+    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+    model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-16"))
+    assert torch.equal(model.generate(ids, max_new_tokens=30), want)
+
+
+def test_the_fp32_kernel_is_chosen_by_the_cpu_or_the_environment(monkeypatch):
+    monkeypatch.setenv("MEDUSA_HEADS_FP32_KERNEL", "onednn")
+    assert not mkl_packs()
+    base = tiny_model("llama")
+    prepack_linears(base)
+    assert {type(m) for m in base.modules() if isinstance(m, PackedLinear)} == {PackedLinear}
+    monkeypatch.setenv("MEDUSA_HEADS_FP32_KERNEL", "mkl")
+    assert mkl_packs() == MKL
+    bf16 = tiny_model("llama").to(torch.bfloat16)
+    if packs(torch.bfloat16):  # bf16 stays on oneDNN whatever the fp32 kernel
+        prepack_linears(bf16)
+        assert {type(m) for m in bf16.modules() if isinstance(m, PackedLinear)} == {PackedLinear}
+    monkeypatch.setenv("MEDUSA_HEADS_FP32_KERNEL", "fast")
+    with pytest.raises(ValueError, match="MEDUSA_HEADS_FP32_KERNEL='fast': use mkl or onednn"):
+        mkl_packs()
