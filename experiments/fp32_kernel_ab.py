@@ -3,9 +3,11 @@ two copies of the model in one process:
 1. one target forward by the number of new tokens (1: a plain step; more: a verify), 300 cached tokens, the two
    builds alternating step by step, the median of 55 steps after 5 warm-ups;
 2. whole calls on the prompts, alternating per prompt, greedy: each build's own `generate` as its yardstick, each
-   build's outputs compared with it.
+   build's outputs compared with it;
+3. with --batch-sizes: the same for left-padded batches (16 prompts), new tokens up to each row's EOS.
 
-    python experiments/fp32_kernel_ab.py [--prompts data/bench_prompts.jsonl] [--tokens 1,4,8,12]
+    python experiments/fp32_kernel_ab.py [--prompts data/bench_prompts.jsonl] [--tokens 1,4,8,12,16]
+    python experiments/fp32_kernel_ab.py --batch-sizes 4,8 --out results/ab/fp32_kernel_ab_batch.md
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default="results/ab/fp32_kernel_ab.md")
     ap.add_argument("--steps-only", action="store_true", help="only the one-forward table")
+    ap.add_argument("--batch-sizes", default=None, help="e.g. 4,8: batched calls only")
     args = ap.parse_args()
     torch.set_num_threads(2)
     from transformers import AutoTokenizer
@@ -53,6 +56,9 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(default_model_path())
     models = {name: load(kernel) for name, kernel in KERNELS.items()}
     names = list(models)
+    if args.batch_sizes:
+        return batches(models, tok, _read_prompts(args.prompts)[:16], [int(b) for b in args.batch_sizes.split(",")],
+                       args.max_new_tokens, args.out)
     lines = ["# fp32 linears on MKL's packed SGEMM against oneDNN's packed product", "",
              f"{cpu_name()}, 2 threads, fp32, SmolLM2-135M-Instruct, shipped heads, both builds in one process "
              "(`python experiments/fp32_kernel_ab.py`).", "",
@@ -96,6 +102,52 @@ def main() -> None:
               f"{tps[(b, 'generate')] / tps[(a, 'generate')]:.3f}×. The heads over their own build's `generate`: "
               f"oneDNN {tps[(a, 'heads')] / tps[(a, 'generate')]:.2f}×, MKL {tps[(b, 'heads')] / tps[(b, 'generate')]:.2f}×."]
     Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def batches(models: dict, tok, rows, sizes: list[int], max_new_tokens: int, out: str) -> None:
+    from medusa_heads.prompting import prompt_text, user_turn
+
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    texts = [prompt_text(tok, user_turn(r.turns[0])) for r in rows]
+    eos = tok.eos_token_id
+    names = list(models)
+    lines = ["# fp32 linears on MKL's packed SGEMM against oneDNN's packed product: batches", "",
+             f"{cpu_name()}, 2 threads, fp32, shipped heads, {len(texts)} prompts, {max_new_tokens} new tokens, greedy, "
+             "left-padded batches, both builds in one process, the arms alternating per batch "
+             "(`python experiments/fp32_kernel_ab.py --batch-sizes ...`).", "",
+             "| batch | arm | tokens/s | rows differing from its build's `generate` |", "|---|---|---|---|"]
+    for size in sizes:
+        secs, toks, differ = {}, {}, {}
+        for i in range(0, len(texts) - size + 1, size):
+            enc = tok(texts[i : i + size], return_tensors="pt", padding=True, add_special_tokens=False)
+            arms = [(n, kind) for n in names for kind in ("generate", "heads")]
+            outs = {}
+            for arm in (arms if (i // size) % 2 == 0 else arms[::-1]):
+                m = models[arm[0]]
+                t0 = time.perf_counter()
+                if arm[1] == "generate":
+                    seq = m.base_model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+                else:
+                    seq = m.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
+                                     max_new_tokens=max_new_tokens, pad_token_id=pad)
+                secs[arm] = secs.get(arm, 0.0) + time.perf_counter() - t0
+                new = seq[:, enc["input_ids"].shape[1]:].tolist()
+                toks[arm] = toks.get(arm, 0) + sum(next((j + 1 for j, t in enumerate(r) if t == eos), len(r)) for r in new)
+                outs[arm] = seq
+            for arm in arms:
+                ref = outs[(arm[0], "generate")]
+                same = outs[arm].shape == ref.shape and all(torch.equal(a, b) for a, b in zip(outs[arm], ref))
+                differ[arm] = differ.get(arm, 0) + (0 if same else sum(
+                    not torch.equal(a, b) for a, b in zip(outs[arm], ref)) if outs[arm].shape == ref.shape else size)
+        for arm in secs:
+            lines.append(f"| {size} | {arm[0]}, {arm[1]} | {toks[arm] / secs[arm]:.1f} | {differ[arm]} |")
+        a, b = names
+        lines.append(f"| {size} | MKL over oneDNN | heads {secs[(a, 'heads')] / secs[(b, 'heads')] * toks[(b, 'heads')] / toks[(a, 'heads')]:.3f}×, "
+                     f"`generate` {secs[(a, 'generate')] / secs[(b, 'generate')] * toks[(b, 'generate')] / toks[(a, 'generate')]:.3f}× | |")
+        print("\n".join(lines[-5:]), flush=True)
+    Path(out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -21,6 +21,7 @@ import torch
 from medusa_heads import MedusaModel
 from medusa_heads.calibration.machine import cpu_name
 from medusa_heads.inference.cache import crop_to, new_cache
+from medusa_heads.inference.prepack import PackedLinear
 from medusa_heads.inference.verify import target_cache_kw
 
 GROUPS = [("linear (weights)", ("linear", "addmm", "mm", "matmul", "bmm")),
@@ -77,7 +78,7 @@ def profile(step, steps: int) -> tuple[float, dict[str, float]]:
             walls.append(time.perf_counter() - t0)
     per = defaultdict(float)
     for e in prof.key_averages():
-        if e.key.startswith("aten::") or e.key.startswith("mkldnn::"):
+        if e.key.startswith(("aten::", "mkldnn::", "mkl::")):
             per[group_of(e.key)] += e.self_cpu_time_total / 1000 / steps
     # the profiler's own cost per op inflates the walls: times without it give the step, shares come from with it
     bare = []
@@ -127,8 +128,9 @@ def main() -> None:
         wall, parts = profile(one(tokens), args.steps)
         rows.append((name, wall, parts))
     groups = [g for g, _ in GROUPS] + ["other ATen", "outside ATen (Python, modules, dispatch)"]
+    kernel = next(m.kernel for m in base.modules() if isinstance(m, PackedLinear))
     lines = ["# Where a step's time goes", "",
-             f"{cpu_name()}, {args.threads} threads, fp32, prepacked linears (oneDNN), SmolLM2-135M-Instruct, "
+             f"{cpu_name()}, {args.threads} threads, fp32, prepacked linears ({kernel}), SmolLM2-135M-Instruct, "
              f"{args.context} cached tokens; median of {args.steps} steps each (`python experiments/step_profile.py`).",
              "", f"Weights read per step: {nbytes / 2**20:.0f} MiB; read bandwidth here {bw:.1f} GB/s (a 1 GiB sum, "
              f"best of 5): **floor {floor_ms:.1f} ms a step**.", "",
