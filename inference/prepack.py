@@ -269,6 +269,11 @@ class stock_kernels:
             m.enabled = True
 
 
+def is_mkl_packed(model: nn.Module) -> bool:
+    """Whether the model's fp32 linears run on MKL's packed SGEMM now (MklPackedLinear, not inside `stock_kernels`)."""
+    return any(isinstance(m, MklPackedLinear) and m.enabled for m in model.modules())
+
+
 def is_prepacked(model: nn.Module) -> bool:
     """Whether the model's linears run on packed kernels now (not inside `stock_kernels`)."""
     return any(isinstance(m, PackedLinear) and m.enabled for m in model.modules())

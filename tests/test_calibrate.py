@@ -183,7 +183,7 @@ def test_cost_model_measured_stored_and_merged_by_kernels():
 
 def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     from medusa_heads.cli import main
-    from medusa_heads.inference.prepack import bf16_supported, prepack_supported
+    from medusa_heads.inference.prepack import bf16_supported, mkl_packs, prepack_supported
     from medusa_heads.training.features import features_from_conversations
     from medusa_heads.calibration.measure import second_half
 
@@ -217,7 +217,8 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     saved = MedusaConfig.load(tmp_path / "heads" / "config.json")
     assert saved.tree == config["tree"]  # the fixed tree is left alone without the "tree" part
     isa = hardware(torch.device("cpu"))  # stored by the hardware the costs were measured on
-    kernels = {f"stock-float32-cpu-{isa}", f"prepacked-float32-cpu-{isa}" if prepack_supported() else f"stock-float32-cpu-{isa}"}
+    packed = "prepacked-mkl" if mkl_packs() else "prepacked"  # fp32 on an Intel CPU packs for MKL
+    kernels = {f"stock-float32-cpu-{isa}", f"{packed}-float32-cpu-{isa}" if prepack_supported() else f"stock-float32-cpu-{isa}"}
     assert set(saved.adaptive["cost"]) == kernels
     acceptance = Acceptance.from_dict(saved.adaptive["acceptance"])
     assert acceptance.depth == 4 and acceptance.edges == ACCEPT_EDGES

@@ -135,3 +135,28 @@ def test_the_shipped_heads_name_the_machines_their_tables_came_from():
     costs = json.loads((default_heads_path() / "config.json").read_text())["adaptive"]["cost"]
     assert all("machine" in c for c in costs.values())
     assert all(("gpu" in c["machine"]) == ("cuda" in key) for key, c in costs.items())
+
+
+@pytest.mark.skipif(not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")),
+                    reason="this PyTorch build has no MKL packed SGEMM")
+def test_other_kernels_sized_by_the_same_table_are_timed_and_cached_apart(machine_costs, tmp_path, monkeypatch):
+    """An fp32 model on MKL's packed products takes oneDNN's stored table where it has none of its own, but what this
+    machine timed for one kernel is never read for the other."""
+    from medusa_heads.inference.prepack import prepack_linears
+
+    def packed_model(kernel: str):
+        monkeypatch.setenv("MEDUSA_HEADS_FP32_KERNEL", kernel)
+        base = tiny_model("llama", seed=4)
+        model = calibrated(base, STORED, rates=(0.9,) * 4)
+        prepack_linears(base)
+        entry = {**STORED.to_dict(), "machine": ELSEWHERE}
+        model.config.adaptive["cost"] = {"prepacked-float32-cpu": entry}  # oneDNN's, from another machine
+        return model
+
+    onednn = packed_model("onednn")
+    assert onednn.cost_model_key() == "prepacked-float32-cpu (this machine's: measured)" and machine_costs == [1]
+    mkl = packed_model("mkl")
+    assert mkl.cost_model_key() == "prepacked-float32-cpu (this machine's: measured)" and machine_costs == [1, 1]
+    names = sorted(p.name for p in (tmp_path / "cache" / "costs").rglob("*.json"))
+    assert len(names) == 2 and names[0].startswith("prepacked-float32-cpu") and names[1].startswith("prepacked-mkl-float32-cpu"), names
+    assert packed_model("mkl").cost_model_key().endswith("(this machine's: cached)") and machine_costs == [1, 1]

@@ -11,6 +11,8 @@ from medusa_heads.inference.prepack import (
     prepack_supported, stock_kernels,
 )
 
+from medusa_heads.tree.adaptive import find_cost, kernels_key
+
 from conftest import assert_diverges_only_at_a_near_tie, chat_ids, randomize_heads, tiny_model
 
 pytestmark = pytest.mark.skipif(not prepack_supported(), reason="this PyTorch build has no oneDNN packed linear")
@@ -223,6 +225,12 @@ def test_mkl_packed_linear_serves_any_row_count_and_its_siblings(monkeypatch):
     want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
     model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-16"))
     assert torch.equal(model.generate(ids, max_new_tokens=30), want)
+    # its own cost tables where calibrated on these kernels, else oneDNN's (the same shape: small products)
+    assert kernels_key(base, True) == "prepacked-mkl-float32-cpu"
+    assert find_cost({"prepacked-float32-cpu-x": 1}, base, True) == "prepacked-float32-cpu-x"
+    assert find_cost({"prepacked-float32-cpu-x": 1, "prepacked-mkl-float32-cpu-y": 2}, base, True) == "prepacked-mkl-float32-cpu-y"
+    with stock_kernels(base):
+        assert kernels_key(base, False) == "stock-float32-cpu"
 
 
 def test_the_fp32_kernel_is_chosen_by_the_cpu_or_the_environment(monkeypatch):

@@ -289,12 +289,14 @@ def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor
 
 
 def kernels_key(model: torch.nn.Module, prepacked: bool) -> str:
-    """The kernels a model's verify runs: "<prepacked|stock|int8>-<dtype>-<device type>" (int8: its linears are
-    inference.int8's, and it runs in dtype otherwise)."""
+    """The kernels a model's verify runs: "<prepacked|prepacked-mkl|stock|int8>-<dtype>-<device type>" (int8: its
+    linears are inference.int8's, and it runs in dtype otherwise; prepacked-mkl: fp32 linears on MKL's packed SGEMM,
+    inference.prepack.MklPackedLinear)."""
     from medusa_heads.inference.int8 import is_int8
+    from medusa_heads.inference.prepack import is_mkl_packed
 
     param = next(model.parameters())
-    kind = ("int8" if is_int8(model) else "prepacked") if prepacked else "stock"
+    kind = ("int8" if is_int8(model) else "prepacked-mkl" if is_mkl_packed(model) else "prepacked") if prepacked else "stock"
     return f"{kind}-{str(param.dtype).removeprefix('torch.')}-{param.device.type}"
 
 
@@ -320,12 +322,14 @@ def find_cost(costs: dict, model: torch.nn.Module, prepacked: bool) -> str | Non
     stored without hardware (heads calibrated before costs named it); the same kernels on other hardware (the
     first key in sorted order: a tree from another machine's costs is still lossless, only sized less well).
     None: not calibrated for these kernels. An int8 model not calibrated as such takes its dtype's prepacked table
-    (the same shape of cost: small products bound by overhead, nearly flat in the tree's size). Deterministic for a
+    (the same shape of cost: small products bound by overhead, nearly flat in the tree's size), and so does an fp32
+    model on MKL's packed products (oneDNN's table). Deterministic for a
     machine, so a seed reproduces a sample."""
     exact, kernels = cost_key(model, prepacked), kernels_key(model, prepacked)
     tries = [(exact, kernels)]
-    if kernels.startswith("int8-"):
-        tries.append(tuple(k.replace("int8-", "prepacked-", 1) for k in (exact, kernels)))
+    for kind in ("int8-", "prepacked-mkl-"):
+        if kernels.startswith(kind):
+            tries.append(tuple(k.replace(kind, "prepacked-", 1) for k in (exact, kernels)))
     for exact, kernels in tries:
         for key in (exact, kernels):
             if key in costs:

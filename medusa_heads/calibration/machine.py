@@ -134,7 +134,13 @@ def local_cost(model, key: str, stored_dict: dict, stored: CostModel, log=None) 
     record = stored_dict.get("machine")
     if same_machine(record, here):
         return stored, "stored"
-    path = cache_path(here, key, stored_dict)
+    # cached by the kernels that run here, not the table's key: an fp32 model on MKL or an int8 model sized by
+    # another kernel's table must not read a table this machine timed on that kernel
+    from medusa_heads.inference.prepack import is_prepacked
+    from medusa_heads.tree.adaptive import cost_key
+
+    running = cost_key(model.base_model, is_prepacked(model.base_model))
+    path = cache_path(here, key if running == key else f"{running}-from-{key}", stored_dict)
     log = log or (lambda msg: print(msg, file=sys.stderr))
     with _lock:
         if path.is_file():
