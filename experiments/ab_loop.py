@@ -1,5 +1,6 @@
 """The loop the one-process A/B experiments share: each arm on every prompt, the arms' order reversed every other
-prompt, tokens per second per arm and how many outputs differ from a reference arm's."""
+prompt, tokens per second per arm and how many outputs differ from a reference arm's; and its common use, builds of
+the model compared by their heads and their own `generate` (builds_ab)."""
 from __future__ import annotations
 
 import time
@@ -29,3 +30,20 @@ def alternate(tok, rows, arms: dict[Hashable, Callable[[torch.Tensor], torch.Ten
         for arm in names:
             differ[arm] += not torch.equal(outs[arm], outs[reference(arm)])
     return {a: tokens[a] / secs[a] for a in names}, differ
+
+
+def builds_ab(tok, rows, models: dict, max_new_tokens: int) -> tuple[dict, dict]:
+    """Two or more builds of the model (name -> MedusaModel), each one's `generate` and heads as arms, on `rows`,
+    greedy: alternate() with each build's own `generate` as the reference of its arms, after one warm-up call each.
+    Returns (tokens/s, outputs differing) by (build, "generate" | "heads")."""
+    arms = {}
+    for build, model in models.items():
+        arms[(build, "generate")] = lambda ids, m=model: m.base_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+        arms[(build, "heads")] = lambda ids, m=model: m.generate(ids, max_new_tokens=max_new_tokens)
+    print(f"{len(rows)} prompts x {len(arms)} arms, {max_new_tokens} tokens each: about "
+          f"{len(rows) * len(arms) * 4 // 60 + 1} minutes")
+    for model in models.values():
+        model.generate(prompt_ids(tok, "Hello"), max_new_tokens=8)
+    with torch.no_grad():
+        return alternate(tok, rows, arms, reference=lambda arm: (arm[0], "generate"))

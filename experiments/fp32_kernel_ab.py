@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from medusa_heads import MedusaModel, default_model_path, prompt_ids
+from medusa_heads import MedusaModel, default_model_path
 from medusa_heads.calibration.machine import cpu_name
 from medusa_heads.cli.commands import _read_prompts
 
-from ab_loop import alternate  # noqa: E402  (experiments/ is the script's folder)
+from ab_loop import builds_ab  # noqa: E402  (experiments/ is the script's folder)
 from siblings_step_ab import CONTEXT, step_of  # noqa: E402
 
 KERNELS = {"oneDNN": "onednn", "MKL (kept)": "mkl"}
@@ -80,18 +80,8 @@ def main() -> None:
     if args.steps_only:
         print("\n".join(lines))
         return
-    arms = {}
-    for name, model in models.items():
-        arms[(name, "generate")] = lambda ids, m=model: m.base_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False)
-        arms[(name, "heads")] = lambda ids, m=model: m.generate(ids, max_new_tokens=args.max_new_tokens)
     rows = _read_prompts(args.prompts)
-    print(f"{len(rows)} prompts x {len(arms)} arms, {args.max_new_tokens} tokens each: about "
-          f"{len(rows) * len(arms) * 4 // 60 + 1} minutes")
-    for model in models.values():
-        model.generate(prompt_ids(tok, "Hello"), max_new_tokens=8)
-    with torch.no_grad():
-        tps, differ = alternate(tok, rows, arms, reference=lambda arm: (arm[0], "generate"))
+    tps, differ = builds_ab(tok, rows, models, args.max_new_tokens)
     a, b = names
     lines += ["", f"## Whole calls ({len(rows)} prompts of `{args.prompts}`, {args.max_new_tokens} new tokens, "
               "greedy, alternating per prompt)", "",

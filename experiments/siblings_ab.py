@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from medusa_heads import MedusaModel, default_model_path, prompt_ids
+from medusa_heads import MedusaModel, default_model_path
 from medusa_heads.calibration.machine import cpu_name
 from medusa_heads.cli.commands import _read_prompts
 from medusa_heads.inference import int8, prepack
 
-from ab_loop import alternate  # noqa: E402  (experiments/ is the script's folder)
+from ab_loop import builds_ab  # noqa: E402  (experiments/ is the script's folder)
 
 LOAD = {"fp32": {}, "bf16": {"dtype": torch.bfloat16}, "int8": {"quantize": "int8"}}
 
@@ -43,26 +43,16 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
     models = {"own products": load(args.dtype, False), "siblings as one product (kept)": load(args.dtype, True)}
-    arms = {}
-    for build, model in models.items():
-        arms[(build, "generate")] = lambda ids, m=model: m.base_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False)
-        arms[(build, "heads")] = lambda ids, m=model: m.generate(ids, max_new_tokens=args.max_new_tokens)
     rows = _read_prompts(args.prompts)
-    print(f"{len(rows)} prompts x {len(arms)} arms, {args.max_new_tokens} tokens each: about "
-          f"{len(rows) * len(arms) * 4 // 60 + 1} minutes")
-    for model in models.values():
-        model.generate(prompt_ids(tok, "Hello"), max_new_tokens=8)
-    with torch.no_grad():
-        tps, differ = alternate(tok, rows, arms, reference=lambda arm: (arm[0], "generate"))
-    yard = tps[next(iter(arms))]
+    tps, differ = builds_ab(tok, rows, models, args.max_new_tokens)
+    yard = tps[next(iter(tps))]
     lines = [f"# Sibling linears as one product against their own products ({args.dtype})", "",
              f"{cpu_name()}, 2 threads, {args.dtype}, shipped heads, {len(rows)} prompts of `{args.prompts}`, "
              f"{args.max_new_tokens} new tokens, greedy, alternating per prompt in one process "
              f"(`python experiments/siblings_ab.py --dtype {args.dtype}`).", "",
              "| linears | method | tokens/s | × generate with own products | outputs differing from that build's generate |",
              "|---|---|---|---|---|"]
-    for arm in arms:
+    for arm in tps:
         lines.append(f"| {arm[0]} | {arm[1]} | {tps[arm]:.1f} | {tps[arm] / yard:.2f} | {differ[arm]} |")
     out = Path(args.out or f"results/ab/siblings_ab_{args.dtype}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
