@@ -27,7 +27,7 @@ import threading
 import torch
 from torch import nn
 
-from medusa_heads.inference.prepack import MklPackedLinear, PackedLinear, fuse_siblings
+from medusa_heads.inference.prepack import PackedLinear, fuse_siblings
 
 ZERO_POINT = 128  # oneDNN takes unsigned activations: q_x + 128 in uint8, and the kernel subtracts it back
 
@@ -93,6 +93,8 @@ class Int8Linear(PackedLinear):
     (see the module's docstring). `weight` and `bias` stay the original Parameters; `enabled = False`
     (`stock_kernels`) runs the stock product on them instead."""
 
+    cost_kind = "int8"
+
     def pack(self, weight: torch.Tensor, batch_hint: int) -> None:
         q, scale = quantize_weight(weight)
         self.packed = torch.ops.onednn.qlinear_prepack(q, None)
@@ -128,7 +130,7 @@ def quantize_linears(model: nn.Module) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) not in (nn.Linear, PackedLinear, MklPackedLinear):
+            if type(child) is not nn.Linear and (not isinstance(child, PackedLinear) or isinstance(child, Int8Linear)):
                 continue
             if child.weight.device.type != "cpu" or child.weight.dtype not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"int8: {name} is {child.weight.dtype} on {child.weight.device}; only bf16 or fp32 "

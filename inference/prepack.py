@@ -37,7 +37,8 @@ def packs(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """y = x W^T + b through oneDNN with W packed once; `weight` and `bias` are the original Parameters."""
 
-    kernel = "oneDNN"
+    kernel = "oneDNN"  # named in repr and the step profile
+    cost_kind = "prepacked"  # the kernels' part of the key their cost tables are stored under (tree.adaptive.kernels_key)
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 8) -> None:
         super().__init__()
@@ -89,6 +90,7 @@ class MklPackedLinear(PackedLinear):
     took 1.3-1.4x oneDNN's time (`results/ab/fp32_kernel_ab.md`)."""
 
     kernel = "MKL"
+    cost_kind = "prepacked-mkl"
     batch_hint = 16
 
     def pack(self, weight: torch.Tensor, batch_hint: int) -> None:
@@ -108,20 +110,11 @@ def mkl_packs() -> bool:
     if choice not in ("", "mkl", "onednn"):
         raise ValueError(f"MEDUSA_HEADS_FP32_KERNEL={choice!r}: use mkl or onednn (or leave it unset)")
     available = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-    if choice:
+    if choice or not available:
         return choice == "mkl" and available
-    return available and cpu_vendor() == "GenuineIntel"
+    from medusa_heads.calibration.machine import cpuinfo
 
-
-@functools.cache
-def cpu_vendor() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo("vendor_id") == "GenuineIntel"
 
 
 # Linears of one module that read one input, by the names decoder layers give them: attention's q, k and v, the
@@ -267,11 +260,6 @@ class stock_kernels:
     def __exit__(self, *exc) -> None:
         for m in self.layers:
             m.enabled = True
-
-
-def is_mkl_packed(model: nn.Module) -> bool:
-    """Whether the model's fp32 linears run on MKL's packed SGEMM now (MklPackedLinear, not inside `stock_kernels`)."""
-    return any(isinstance(m, MklPackedLinear) and m.enabled for m in model.modules())
 
 
 def is_prepacked(model: nn.Module) -> bool:

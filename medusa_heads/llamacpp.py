@@ -65,13 +65,9 @@ def plain_reference(method: str) -> str | None:
 # --- the build -----------------------------------------------------------------------------------------------------
 
 def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    from medusa_heads.calibration.machine import cpuinfo
+
+    return set((cpuinfo("flags") or "").split())
 
 
 def cmake_args(flags: set[str] | None = None) -> list[str]:

@@ -292,11 +292,12 @@ def kernels_key(model: torch.nn.Module, prepacked: bool) -> str:
     """The kernels a model's verify runs: "<prepacked|prepacked-mkl|stock|int8>-<dtype>-<device type>" (int8: its
     linears are inference.int8's, and it runs in dtype otherwise; prepacked-mkl: fp32 linears on MKL's packed SGEMM,
     inference.prepack.MklPackedLinear)."""
-    from medusa_heads.inference.int8 import is_int8
-    from medusa_heads.inference.prepack import is_mkl_packed
+    from medusa_heads.inference.prepack import PackedLinear
 
     param = next(model.parameters())
-    kind = ("int8" if is_int8(model) else "prepacked-mkl" if is_mkl_packed(model) else "prepacked") if prepacked else "stock"
+    kind = "stock"
+    if prepacked:  # the kernel class says (PackedLinear.cost_kind); a model packs all its linears alike
+        kind = next((m.cost_kind for m in model.modules() if isinstance(m, PackedLinear) and m.enabled), "prepacked")
     return f"{kind}-{str(param.dtype).removeprefix('torch.')}-{param.device.type}"
 
 

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from medusa_heads.tree.adaptive import CostModel
+from medusa_heads.inference.prepack import is_prepacked
+from medusa_heads.tree.adaptive import CostModel, cost_key
 
 QUICK_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the sizes timed at first use (CostModel interpolates the rest)
 QUICK_REPEATS = 2
@@ -37,13 +38,23 @@ ENV = "MEDUSA_HEADS_MACHINE_COSTS"  # "on": time this machine's tables at first 
 _lock = threading.Lock()
 
 
-def cpu_name() -> str:
+def cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo ("model name", "vendor_id", "flags"), whitespace collapsed; None
+    where the file or the field is missing."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return " ".join(line.split(":", 1)[1].split())
+            name, sep, value = line.partition(":")
+            if sep and name.strip() == field:
+                return " ".join(value.split())
     except OSError:
         pass
+    return None
+
+
+def cpu_name() -> str:
+    name = cpuinfo("model name")
+    if name is not None:
+        return name
     import platform
 
     return platform.processor() or platform.machine()
@@ -136,9 +147,6 @@ def local_cost(model, key: str, stored_dict: dict, stored: CostModel, log=None) 
         return stored, "stored"
     # cached by the kernels that run here, not the table's key: an fp32 model on MKL or an int8 model sized by
     # another kernel's table must not read a table this machine timed on that kernel
-    from medusa_heads.inference.prepack import is_prepacked
-    from medusa_heads.tree.adaptive import cost_key
-
     running = cost_key(model.base_model, is_prepacked(model.base_model))
     path = cache_path(here, key if running == key else f"{running}-from-{key}", stored_dict)
     log = log or (lambda msg: print(msg, file=sys.stderr))
