@@ -41,6 +41,8 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                     softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' attention-interface signature: query (B, Hq, T, D), key and value (B, Hkv, N, D), an additive
     float mask (B, 1, T, >= N) -> (output (B, T, Hq, D), None: the probabilities are not returned)."""
+    global _calls
+    _calls += 1
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"{NAME}: attention sinks are not supported; load this model with "
                          "attn_implementation='eager' or 'sdpa'")
@@ -75,6 +77,13 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
             else torch.stack([_row_values(values[i], order[i], shared, t) for i in range(b)]))
     out = torch.matmul(probs.view(b, hkv, groups, t, width).transpose(2, 3), rows)  # (B, Hkv, T, groups, D)
     return out.transpose(2, 3).reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
+
+
+_calls = 0  # calls so far, in every thread: whether a model's forward goes through this attention (inference/exactness.py)
+
+
+def calls() -> int:
+    return _calls
 
 
 _plans: list = []  # [(mask, n, (float mask, plan))]: the last few masks' analysis, shared by a forward's layers

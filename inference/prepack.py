@@ -47,6 +47,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.enabled = True  # False: plain nn.functional.linear (the stock kernels), for comparisons
         self.siblings: Siblings | None = None  # the product this linear shares with the others reading its input
+        self.row_cap: int | None = None  # at most this many rows a product (inference/exactness.py: cap_rows)
         self.packed_as = (linear.weight.dtype, linear.weight.device)
         with torch.no_grad():
             self.pack(linear.weight.detach(), batch_hint)
@@ -68,12 +69,23 @@ class PackedLinear(nn.Module):
         """x W^T + b on the packed copy (a subclass computes it with its own kernel)."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """product(x), in products of at most `row_cap` rows where one is set: past that many rows this CPU's kernel
+        gives a row other bits than alone (bf16 on oneDNN from 33 rows on an Intel Xeon with AMX), and a verify's rows
+        must be the plain steps' bit for bit."""
+        cap = self.row_cap
+        if cap is None or x.numel() <= cap * x.shape[-1]:
+            return self.product(x)
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.cat([self.product(rows[i : i + cap]) for i in range(0, rows.shape[0], cap)]).view(
+            *x.shape[:-1], -1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.serves(x):
             return nn.functional.linear(x, self.weight, self.bias)
         if self.siblings is not None:
             return self.siblings.columns(self, x)
-        return self.product(x)
+        return self.run(x)
 
     def extra_repr(self) -> str:
         shared = ", one product with its siblings" if self.siblings is not None else ""
@@ -154,7 +166,7 @@ class Siblings:
         memo = getattr(_last, "memo", None)
         i = member.sibling_index
         if memo is None or memo[0] is not self or memo[1] is not x or memo[2] != version or memo[4][i]:
-            memo = (self, x, version, self.kernel.product(x).split(self.sizes, dim=-1), [False] * len(self.sizes))
+            memo = (self, x, version, self.kernel.run(x).split(self.sizes, dim=-1), [False] * len(self.sizes))
             _last.memo = memo
         taken = memo[4]
         taken[i] = True
@@ -222,6 +234,9 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
             setattr(parent, name, kind(child, batch_hint))
             swapped += 1
     fuse_siblings(model)
+    from medusa_heads.inference.exactness import cap_rows
+
+    cap_rows(model)
     return swapped
 
 

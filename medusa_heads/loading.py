@@ -11,7 +11,7 @@ from medusa_heads.default_model import DEFAULT_MODEL, check_model_name, resolve_
 from medusa_heads.inference.prepack import packs, prepack_linears
 
 
-def _source(name: str | os.PathLike) -> str | Path:
+def source(name: str | os.PathLike) -> str | Path:
     """The default model's name -> its converted directory; anything else, checked, as given."""
     check_model_name(name)
     return resolve_model(str(name))
@@ -23,7 +23,7 @@ def load_base(name: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = t
     `frozen=False` (joint training adapts it). prepack: run its linears through oneDNN (inference/prepack.py);
     None = on when it lands on a CPU that packs its dtype (`packs`). kwargs go to AutoModelForCausalLM.from_pretrained."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(_source(name), dtype=dtype, **kwargs).eval()
+        model = AutoModelForCausalLM.from_pretrained(source(name), dtype=dtype, **kwargs).eval()
     except OSError as e:  # transformers' "is not a local folder and is not a valid model identifier ..."
         raise FileNotFoundError(f"cannot load a model from {str(name)!r}: give a model directory saved by "
                                 f"transformers, a hub id, or {DEFAULT_MODEL!r} ({e.__class__.__name__}: "
@@ -38,4 +38,4 @@ def load_base(name: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = t
 
 
 def load_tokenizer(name: str | os.PathLike = DEFAULT_MODEL):
-    return AutoTokenizer.from_pretrained(_source(name))
+    return AutoTokenizer.from_pretrained(source(name))

@@ -27,6 +27,7 @@ from medusa_heads.inference.int8 import int8_rows_invariant, int8_supported, qua
 from medusa_heads.inference.plan import ADAPTIVE, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
+from medusa_heads.inference.exactness import exactness_problem, promises_exact
 from medusa_heads.inference.support import check_tree_attention
 from medusa_heads.inference.verify import Target
 from medusa_heads.default_model import DEFAULT_MODEL, default_heads_path
@@ -64,6 +65,14 @@ class MedusaModel(nn.Module):
         self.phrases = phrases  # the target's phrasebook (tree/ngrams.py): drafts beside the heads where calibrated
         self.target = Target(base_model)
         check_tree_attention(self.target)
+        # greedy output is the model's plain decoding bit for bit, checked on this model (bf16 or int8 on a CPU)
+        self.exact = False
+        if promises_exact(base_model):
+            problem = exactness_problem(self.target)
+            self.exact = problem is None
+            if problem:
+                warnings.warn(f"{type(base_model).__name__}: greedy output may leave this model's plain decoding at "
+                              f"near-ties of the top two tokens: {problem}", UserWarning, stacklevel=3)
         self._adaptive_parts = None  # (kernels key, config.adaptive, its parsed parts) last asked about
         self.tree = self._configured_tree()  # the heads' fixed tree: what a call drafts when no per-step tree can be
         # what a call drafts when it names no tree: "adaptive" where the heads were calibrated for these kernels
@@ -168,7 +177,7 @@ class MedusaModel(nn.Module):
         if quantize and not isinstance(base, PreTrainedModel) and "dtype" not in base_kwargs and "torch_dtype" not in base_kwargs:
             base_kwargs["dtype"] = torch.bfloat16 if bf16_supported() else torch.float32
         if not isinstance(base, PreTrainedModel):
-            base_kwargs = exact_attention_kwargs(base_kwargs)
+            base_kwargs = exact_attention_kwargs(base, base_kwargs)
             base = load_base(base, prepack=False, **base_kwargs)  # packed below, after an adapter is merged
             if prepack is None:
                 prepack = base.device.type == "cpu" and packs(base.dtype)
@@ -415,11 +424,30 @@ def _shipped_heads_for(base: PreTrainedModel, fingerprint: dict) -> tuple[Path |
     return path, config
 
 
-def exact_attention_kwargs(base_kwargs: dict) -> dict:
+def exact_attention_kwargs(name: str | os.PathLike, base_kwargs: dict) -> dict:
     """from_pretrained's loading arguments, with the row-exact attention for a bf16 model bound for this CPU (where
-    its products are row-invariant) unless the caller chose an attention."""
+    its products are row-invariant) unless the caller chose an attention, or its class computes attention itself
+    (Falcon: it takes no attention but its own, and would fail to load with this one)."""
     if base_kwargs.get("dtype", base_kwargs.get("torch_dtype")) != torch.bfloat16 or "attn_implementation" in base_kwargs:
         return base_kwargs
     if base_kwargs.get("device_map") not in (None, "cpu") or not rows_invariant(torch.bfloat16):
         return base_kwargs
+    if not _takes_attention_interface(name, base_kwargs):
+        return base_kwargs
     return {**base_kwargs, "attn_implementation": register_exact_attention()}
+
+
+def _takes_attention_interface(name: str | os.PathLike, base_kwargs: dict) -> bool:
+    """Whether the class that would load `name` runs its attention through transformers' attention interface (its
+    config read alone; False where that class cannot be told, as for remote code)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from medusa_heads.loading import source
+
+    try:
+        config = AutoConfig.from_pretrained(source(name), trust_remote_code=base_kwargs.get("trust_remote_code", False))
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:  # noqa: BLE001: loading itself reports what is wrong with `name`
+        return False
+    return bool(getattr(model_class, "_supports_attention_backend", False))

@@ -1,0 +1,143 @@
+"""Is a tree verify's every row, bit for bit, the plain step that would compute it, on the model at hand?
+
+bf16 (with the row-exact attention) and int8 on a CPU promise greedy output equal to the model's own plain decoding
+token for token. That rests on every op of a forward giving a row the same bits whatever the rows beside it, which
+depends on the model as much as on the CPU:
+- a product's kernel can change with the number of rows: oneDNN's bf16 linears on an Intel Xeon with AMX give a row
+  other bits from 33 rows on (at 960 x 576, 3072 x 576, 576 x 1536 and the LM head; not at 576 x 576), and a batch's
+  verify takes rows x tree tokens at once. `cap_rows` finds, for each of the model's own packed products, the rows
+  from which this happens and splits larger products there (PackedLinear.run);
+- a model may compute its attention itself instead of through transformers' attention interface (Falcon does), so
+  that the row-exact attention never runs; or hold a layer whose rows depend on each other in another way.
+  `exactness_problem` checks, on the model itself, that the row-exact attention runs, and that a small tree's rows
+  equal plain steps along their paths.
+Where either fails the model still decodes, with output that may leave its plain decoding at near-ties of the top two
+tokens (as fp16 or SDPA bf16 may), and MedusaModel says so once at load."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MAX_ROWS = 64  # products are checked for 2 .. this many rows; larger ones are split at the first row count that fails
+
+
+def first_dependent_rows(product, in_features: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                         max_rows: int = MAX_ROWS) -> int | None:
+    """The smallest number of rows m (2 .. max_rows) at which product(x[:m]) gives a row other bits than product of
+    that row alone; None if none does. Every row is compared: a kernel may take the rows past a block (32 rows for
+    oneDNN's bf16 linears with AMX) another way and leave the first ones as they were."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(max_rows, in_features, generator=gen).to(dtype=dtype, device=device)
+    with torch.no_grad():
+        alone = torch.cat([product(x[i : i + 1]) for i in range(max_rows)])
+        for m in range(2, max_rows + 1):
+            if not torch.equal(product(x[:m]), alone[:m]):
+                return m
+    return None
+
+
+def _products(model: nn.Module):
+    """The model's distinct packed products: each PackedLinear, or the one its siblings share."""
+    from medusa_heads.inference.prepack import PackedLinear
+
+    seen = set()
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and m.enabled:
+            kernel = m.siblings.kernel if m.siblings is not None else m
+            if id(kernel) not in seen:
+                seen.add(id(kernel))
+                yield kernel
+
+
+def cap_rows(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[tuple, int | None]:
+    """Set `row_cap` on each bf16 packed product of the model (by kernel and shape, checked once each) to the rows
+    its kernel takes at once without changing a row's bits; None where every count up to max_rows keeps them. fp32
+    makes no bit-for-bit promise, and int8's integer sums are exact at any row count: they are left as they are.
+    Returns {(kernel, out, in): cap}."""
+    from medusa_heads.inference.int8 import Int8Linear
+
+    caps: dict[tuple, int | None] = {}
+    for kernel in _products(model):
+        if kernel.packed_as[0] != torch.bfloat16 or isinstance(kernel, Int8Linear):
+            continue
+        key = (type(kernel).__name__, kernel.out_features, kernel.in_features, kernel.bias is not None)
+        if key not in caps:
+            bad = first_dependent_rows(kernel.product, kernel.in_features, torch.bfloat16, kernel.packed_as[1],
+                                       max_rows)
+            caps[key] = None if bad is None else bad - 1
+        kernel.row_cap = caps[key]
+    return caps
+
+
+def promises_exact(model: nn.Module) -> bool:
+    """Whether this model's greedy output is promised bit for bit: a CPU model in bf16, or with int8 linears."""
+    from medusa_heads.inference.int8 import is_int8
+
+    return model.device.type == "cpu" and (model.dtype == torch.bfloat16 or is_int8(model))
+
+
+@torch.no_grad()
+def exactness_problem(target) -> str | None:
+    """Why a tree's rows would not be this model's plain steps bit for bit (None: they are, as far as checked):
+    its attention, its linears' kernels, or a probe on the model itself. For models that promise it (promises_exact)."""
+    from medusa_heads.inference import exact_attention
+    from medusa_heads.inference.prepack import PackedLinear
+
+    model = target.model
+    name = type(model).__name__
+    if model.dtype == torch.bfloat16 and not exact_attention.rows_invariant(torch.bfloat16):
+        return "this CPU's bf16 products give a row other bits beside other rows"
+    if not getattr(model, "_supports_attention_backend", True):
+        return (f"{name} computes its attention itself, not through transformers' attention interface, so the "
+                "row-exact attention cannot serve it")
+    if not exact_attention.uses_exact_attention(model):
+        impl = getattr(model.config, "_attn_implementation", None)
+        return (f"its attention is {impl!r}, which rounds a tree's rows by the rows beside them; load it with "
+                f"attn_implementation='{exact_attention.NAME}' (medusa_heads.inference.exact_attention."
+                "use_exact_attention(model) before MedusaModel.from_pretrained)")
+    for module_name, m in model.named_modules():
+        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16:
+            bad = first_dependent_rows(lambda a, m=m: nn.functional.linear(a, m.weight, m.bias), m.in_features,
+                                       torch.bfloat16, m.weight.device, 33)
+            if bad is not None:
+                return (f"its {module_name} ({m.out_features} x {m.in_features}) runs on the stock bf16 kernel, which "
+                        f"gives a row other bits beside {bad - 1} others here; load it with prepack=True, which splits "
+                        "such products")
+        elif isinstance(m, PackedLinear) and m.packed_as[0] == torch.bfloat16 and not m.enabled:
+            return f"its {module_name} runs on the stock kernels (stock_kernels)"
+    before = exact_attention.calls()
+    rows = _probe(target)
+    if exact_attention.calls() == before:
+        return (f"{name} computes its attention itself, not through transformers' attention interface, so the "
+                "row-exact attention cannot serve it")
+    if rows:
+        return (f"in a probe on this model, {rows} of a small tree's rows differ from plain steps along their paths "
+                "(some layer rounds a row by the rows beside it)")
+    return None
+
+
+def _probe(target) -> int:
+    """How many rows of a 7-node tree (two branches) verified after a 12-token prefix differ from plain steps."""
+    from medusa_heads.inference.cache import crop_to, new_cache
+    from medusa_heads.tree.buffers import from_parents
+
+    model = target.model
+    vocab = model.get_output_embeddings().weight.shape[0]
+    device = model.device
+    past = 12
+    ids = ((torch.arange(past + 7, device=device) * 7919 + 17) % vocab)
+    prefix, tokens = ids[None, :past], ids[past:]
+    parents = (-1, 0, 1, 2, 0, 4, 5)  # root; a chain of three below it; a second chain of two
+    buffers = from_parents(parents, device)
+    cache = new_cache(model, past + 16)
+    target.prefill(prefix, cache)
+    tree = target.verify(tokens, past, cache, buffers).logits
+    differ = set()
+    for path in ((0, 1, 2, 3), (0, 4, 5, 6)):
+        crop_to(cache, past)
+        for depth, node in enumerate(path):
+            step = target.step(tokens[node : node + 1], past + depth, cache).logits[-1]
+            if not torch.equal(tree[node], step):
+                differ.add(node)
+    crop_to(cache, past)
+    return len(differ)
