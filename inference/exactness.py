@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MAX_ROWS = 64  # products are checked for 2 .. this many rows; larger ones are split at the first row count that fails
+MAX_ROWS = 64  # products are checked for 2 .. this many rows (cap_rows)
 
 
 def first_dependent_rows(product, in_features: int, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -26,14 +26,17 @@ def first_dependent_rows(product, in_features: int, dtype: torch.dtype, device: 
     """The smallest number of rows m (2 .. max_rows) at which product(x[:m]) gives a row other bits than product of
     that row alone; None if none does. Every row is compared: a kernel may take the rows past a block (32 rows for
     oneDNN's bf16 linears with AMX) another way and leave the first ones as they were."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(max_rows, in_features, generator=gen).to(dtype=dtype, device=device)
-    with torch.no_grad():
-        alone = torch.cat([product(x[i : i + 1]) for i in range(max_rows)])
-        for m in range(2, max_rows + 1):
-            if not torch.equal(product(x[:m]), alone[:m]):
-                return m
-    return None
+    first = None
+    for seed, scale in ((0, 1.0), (1, 8.0)):  # two inputs: whether a row's bits move can depend on its values
+        gen = torch.Generator().manual_seed(seed)
+        x = (torch.randn(max_rows, in_features, generator=gen) * scale).to(dtype=dtype, device=device)
+        with torch.no_grad():
+            alone = torch.cat([product(x[i : i + 1]) for i in range(max_rows)])
+            for m in range(2, max_rows + 1 if first is None else first):
+                if not torch.equal(product(x[:m]), alone[:m]):
+                    first = m
+                    break
+    return first
 
 
 def _products(model: nn.Module):
@@ -51,7 +54,8 @@ def _products(model: nn.Module):
 
 def cap_rows(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[tuple, int | None]:
     """Set `row_cap` on each bf16 packed product of the model (by kernel and shape, checked once each) to the rows
-    its kernel takes at once without changing a row's bits; None where every count up to max_rows keeps them. fp32
+    its kernel takes at once without changing a row's bits (the largest power of two below the first row count that
+    changes one); None where every count up to max_rows keeps them. fp32
     makes no bit-for-bit promise, and int8's integer sums are exact at any row count: they are left as they are.
     Returns {(kernel, out, in): cap}."""
     from medusa_heads.inference.int8 import Int8Linear
@@ -64,9 +68,16 @@ def cap_rows(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[tuple, int | No
         if key not in caps:
             bad = first_dependent_rows(kernel.product, kernel.in_features, torch.bfloat16, kernel.packed_as[1],
                                        max_rows)
-            caps[key] = None if bad is None else bad - 1
+            # down to a power of two: kernels change at block sizes, and some inputs keep their bits a row or two past
+            caps[key] = None if bad is None else 1 << ((bad - 1).bit_length() - 1)
         kernel.row_cap = caps[key]
     return caps
+
+
+def has_attention_sinks(model: nn.Module) -> bool:
+    """Whether the model's attention has sinks (a learned logit per head beside the keys, as GPT-OSS's), which the
+    row-exact attention does not take."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
 
 
 def promises_exact(model: nn.Module) -> bool:
@@ -90,6 +101,8 @@ def exactness_problem(target) -> str | None:
     if not getattr(model, "_supports_attention_backend", True):
         return (f"{name} computes its attention itself, not through transformers' attention interface, so the "
                 "row-exact attention cannot serve it")
+    if not exact_attention.uses_exact_attention(model) and has_attention_sinks(model):
+        return "its attention has sinks (a learned logit per head beside the keys), which the row-exact attention does not take"
     if not exact_attention.uses_exact_attention(model):
         impl = getattr(model.config, "_attn_implementation", None)
         return (f"its attention is {impl!r}, which rounds a tree's rows by the rows beside them; load it with "

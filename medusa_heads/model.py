@@ -22,12 +22,12 @@ from medusa_heads.heads import MedusaHeads
 from medusa_heads.inference.adaptive import AdaptiveDrafter, DraftObserver
 from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
-from medusa_heads.inference.exact_attention import register as register_exact_attention, rows_invariant
+from medusa_heads.inference.exactness import exactness_problem, has_attention_sinks, promises_exact
+from medusa_heads.inference.exact_attention import register as register_exact_attention, rows_invariant, uses_exact_attention
 from medusa_heads.inference.int8 import int8_rows_invariant, int8_supported, quantize_linears
 from medusa_heads.inference.plan import ADAPTIVE, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
-from medusa_heads.inference.exactness import exactness_problem, promises_exact
 from medusa_heads.inference.support import check_tree_attention
 from medusa_heads.inference.verify import Target
 from medusa_heads.default_model import DEFAULT_MODEL, default_heads_path
@@ -179,6 +179,8 @@ class MedusaModel(nn.Module):
         if not isinstance(base, PreTrainedModel):
             base_kwargs = exact_attention_kwargs(base, base_kwargs)
             base = load_base(base, prepack=False, **base_kwargs)  # packed below, after an adapter is merged
+            if uses_exact_attention(base) and has_attention_sinks(base):  # GPT-OSS: eager takes its sinks; ours does not
+                base.set_attn_implementation("eager")
             if prepack is None:
                 prepack = base.device.type == "cpu" and packs(base.dtype)
         fingerprint = base_fingerprint(base)  # hashes the whole LM head: once per load

@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""bf16 batches with and without the row cap (inference/exactness.py: cap_rows), in one process, alternating per
+batch, with transformers' batched `generate` on the same model as the reference and the yardstick: what splitting
+products past the rows where oneDNN's bf16 kernel changes a row's bits costs, and what it buys (rows whose greedy
+output leaves generate's).
+
+    python experiments/row_cap_ab.py --batch-sizes 4,8 --limit 16 --out results/ab/row_cap_ab.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from medusa_heads import MedusaModel, default_model_path
+from medusa_heads.calibration.machine import cpu_name
+from medusa_heads.inference.exactness import _products
+from medusa_heads.prompting import eos_ids, prompt_text, user_turn
+
+
+def answer(row: torch.Tensor, start: int, eos: set[int]) -> list[int]:
+    """A row's new tokens up to its first EOS (generate pads after it; the heads may stop there)."""
+    out = row[start:].tolist()
+    return next((out[:i] for i, t in enumerate(out) if t in eos), out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", default="data/bench_prompts.jsonl")
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--batch-sizes", default="4,8")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="results/ab/row_cap_ab.md")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = MedusaModel.from_pretrained(dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    tok.padding_side = "left"
+    eos = set(eos_ids(tok, model.base_model.generation_config))
+    kernels = [k for k in _products(model.base_model) if k.row_cap is not None]
+    caps = {id(k): k.row_cap for k in kernels}
+
+    def capped(on: bool) -> None:
+        for k in kernels:
+            k.row_cap = caps[id(k)] if on else None
+
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    texts = [prompt_text(tok, user_turn(r["prompt"])) for r in rows if "prompt" in r][: args.limit]
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    arms = ["generate", "capped", "uncapped"]
+    print(f"{len(texts)} prompts in batches of {sizes}, {len(arms)} arms, {args.max_new_tokens} tokens: about "
+          f"{len(sizes) * len(arms) * len(texts) * args.max_new_tokens // 60 // 25 + 1} minutes on two cores", file=sys.stderr)
+    table = []
+    for size in sizes:
+        secs, tokens, differ = {a: 0.0 for a in arms}, {a: 0 for a in arms}, {a: 0 for a in arms}
+        batches = [texts[i : i + size] for i in range(0, len(texts), size)]
+        for n, batch in enumerate(tqdm(batches, desc=f"batches of {size}")):
+            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+            start = enc["input_ids"].shape[1]
+            outs = {}
+            for arm in arms[n % len(arms) :] + arms[: n % len(arms)]:  # each arm first in turn
+                capped(arm != "uncapped")
+                t0 = time.perf_counter()
+                if arm == "generate":
+                    out = model.base_model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
+                else:
+                    out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
+                                         max_new_tokens=args.max_new_tokens, do_sample=False)
+                secs[arm] += time.perf_counter() - t0
+                outs[arm] = [answer(r, start, eos) for r in out]
+                tokens[arm] += sum(len(a) for a in outs[arm])
+            capped(True)
+            for arm in arms[1:]:
+                differ[arm] += sum(a != b for a, b in zip(outs[arm], outs["generate"]))
+        speed = {a: tokens[a] / secs[a] for a in arms}
+        table.append((size, speed, differ, len(texts)))
+    lines = ["# bf16 batches with and without the row cap", "",
+             f"{cpu_name()}, {args.threads} threads, SmolLM2-135M-Instruct in bf16 with the row-exact attention and "
+             f"the shipped heads, {len(texts)} bench prompts, {args.max_new_tokens} new tokens, greedy, arms "
+             "alternating per batch in one process (`python experiments/row_cap_ab.py`). Capped: each bf16 product "
+             "split at the rows found by `cap_rows` (" + ", ".join(sorted({str(c) for c in caps.values()})) +
+             " here, the build); uncapped: the build before.", "",
+             "| rows | generate tokens/s | " + " | ".join(arms[1:]) + " | capped / uncapped | rows differing from "
+             "generate: " + ", ".join(arms[1:]) + " |",
+             "|---|---|" + "---|" * (len(arms) - 1) + "---|---|"]
+    for size, speed, differ, n in table:
+        g = speed["generate"]
+        lines.append(f"| {size} | {g:.1f} | " + " | ".join(f"{speed[a]:.1f} ({speed[a] / g:.2f}×)" for a in arms[1:])
+                     + f" | {speed['capped'] / speed['uncapped']:.3f} | "
+                     + ", ".join(f"{differ[a]}/{n}" for a in arms[1:]) + " |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
