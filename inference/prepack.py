@@ -85,7 +85,7 @@ class PackedLinear(nn.Module):
             return nn.functional.linear(x, self.weight, self.bias)
         if self.siblings is not None:
             return self.siblings.columns(self, x)
-        return self.run(x)
+        return self.product(x) if self.row_cap is None else self.run(x)  # no second call where nothing is capped
 
     def extra_repr(self) -> str:
         shared = ", one product with its siblings" if self.siblings is not None else ""
@@ -166,7 +166,9 @@ class Siblings:
         memo = getattr(_last, "memo", None)
         i = member.sibling_index
         if memo is None or memo[0] is not self or memo[1] is not x or memo[2] != version or memo[4][i]:
-            memo = (self, x, version, self.kernel.run(x).split(self.sizes, dim=-1), [False] * len(self.sizes))
+            kernel = self.kernel
+            y = kernel.product(x) if kernel.row_cap is None else kernel.run(x)
+            memo = (self, x, version, y.split(self.sizes, dim=-1), [False] * len(self.sizes))
             _last.memo = memo
         taken = memo[4]
         taken[i] = True
