@@ -18,6 +18,8 @@ import torch
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from common import emit  # noqa: E402  scripts/common.py
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import randomize_heads  # noqa: E402
 from families import FAMILIES, tiny_family  # noqa: E402
@@ -83,10 +85,7 @@ def main() -> None:
                     cells += ["error", "-"]
                     whys.append(f"{mode}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         lines.append(f"| {name} | " + " | ".join(cells) + " | " + "; ".join(whys) + " |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ from medusa_heads.calibration.machine import cpu_name
 from medusa_heads.inference.exactness import _products
 from medusa_heads.prompting import eos_ids, prompt_text, user_turn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from common import emit  # noqa: E402  scripts/common.py
+
 
 def answer(row: torch.Tensor, start: int, eos: set[int]) -> list[int]:
     """A row's new tokens up to its first EOS (generate pads after it; the heads may stop there)."""
@@ -97,10 +100,7 @@ def main() -> None:
         lines.append(f"| {size} | {gc:.1f} | {speed['capped']:.1f} ({speed['capped'] / gc:.2f}×) | {gu:.1f} | "
                      f"{speed['uncapped']:.1f} ({speed['uncapped'] / gu:.2f}×) | "
                      f"{speed['capped'] / speed['uncapped']:.3f} | {differ['capped']}/{n}, {differ['uncapped']}/{n} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

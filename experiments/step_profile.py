@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +24,9 @@ from medusa_heads.calibration.machine import cpu_name
 from medusa_heads.inference.cache import crop_to, new_cache
 from medusa_heads.inference.prepack import PackedLinear
 from medusa_heads.inference.verify import target_cache_kw
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from common import emit  # noqa: E402  scripts/common.py
 
 GROUPS = [("linear (weights)", ("linear", "addmm", "mm", "matmul", "bmm")),
           ("attention", ("scaled_dot_product", "attention", "softmax")),
@@ -140,10 +144,7 @@ def main() -> None:
                      + " | ".join(f"{parts.get(g, 0.0):.1f}" for g in groups) + " |")
     lines += ["", "Milliseconds a step per group: ATen ops' self time from torch.profiler, scaled to the wall time "
               "without the profiler; 'outside ATen' is the wall time the ops do not account for."]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
