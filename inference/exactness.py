@@ -55,8 +55,8 @@ def _products(model: nn.Module):
 def cap_rows(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[tuple, int | None]:
     """Set `row_cap` on each bf16 packed product of the model (by kernel and shape, checked once each) to the rows
     its kernel takes at once without changing a row's bits (the largest power of two below the first row count that
-    changes one); None where every count up to max_rows keeps them. fp32
-    makes no bit-for-bit promise, and int8's integer sums are exact at any row count: they are left as they are.
+    changes one); None where every count up to max_rows keeps them. fp32 makes no bit-for-bit promise, and int8's
+    integer sums are exact at any row count: they are left as they are.
     Returns {(kernel, out, in): cap}."""
     from medusa_heads.inference.int8 import Int8Linear
 
@@ -95,21 +95,27 @@ def exactness_problem(target) -> str | None:
     from medusa_heads.inference.prepack import PackedLinear
 
     model = target.model
-    name = type(model).__name__
+    own_attention = (f"{type(model).__name__} computes its attention itself, not through transformers' attention "
+                     "interface, so the row-exact attention cannot serve it")
     if model.dtype == torch.bfloat16 and not exact_attention.rows_invariant(torch.bfloat16):
         return "this CPU's bf16 products give a row other bits beside other rows"
     if not getattr(model, "_supports_attention_backend", True):
-        return (f"{name} computes its attention itself, not through transformers' attention interface, so the "
-                "row-exact attention cannot serve it")
-    if not exact_attention.uses_exact_attention(model) and has_attention_sinks(model):
-        return "its attention has sinks (a learned logit per head beside the keys), which the row-exact attention does not take"
+        return own_attention
     if not exact_attention.uses_exact_attention(model):
+        if has_attention_sinks(model):
+            return ("its attention has sinks (a learned logit per head beside the keys), which the row-exact "
+                    "attention does not take")
         impl = getattr(model.config, "_attn_implementation", None)
         return (f"its attention is {impl!r}, which rounds a tree's rows by the rows beside them; load it with "
                 f"attn_implementation='{exact_attention.NAME}' (medusa_heads.inference.exact_attention."
                 "use_exact_attention(model) before MedusaModel.from_pretrained)")
+    checked = set()  # stock linears by shape: the kernel follows the shape, not the weights
     for module_name, m in model.named_modules():
         if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16:
+            shape = (m.out_features, m.in_features, m.bias is not None, m.weight.device)
+            if shape in checked:
+                continue
+            checked.add(shape)
             bad = first_dependent_rows(lambda a, m=m: nn.functional.linear(a, m.weight, m.bias), m.in_features,
                                        torch.bfloat16, m.weight.device, 33)
             if bad is not None:
@@ -121,8 +127,7 @@ def exactness_problem(target) -> str | None:
     before = exact_attention.calls()
     rows = _probe(target)
     if exact_attention.calls() == before:
-        return (f"{name} computes its attention itself, not through transformers' attention interface, so the "
-                "row-exact attention cannot serve it")
+        return own_attention
     if rows:
         return (f"in a probe on this model, {rows} of a small tree's rows differ from plain steps along their paths "
                 "(some layer rounds a row by the rows beside it)")
