@@ -122,7 +122,7 @@ class Int8Linear(PackedLinear):
 
 def quantize_linears(model: nn.Module) -> int:
     """Swap every nn.Linear (or PackedLinear) of a CPU model in bf16 or fp32 for an Int8Linear, siblings sharing one
-    product (`fuse_siblings`), the norms on one op where it gives their bits (`fuse_norms`); returns how many.
+    product (`fuse_siblings`); returns how many.
     Raises for a model on another device or in another dtype, or a PyTorch without oneDNN's int8 linear."""
     if not int8_supported():
         raise RuntimeError("this PyTorch build has no oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise): "
@@ -138,9 +138,6 @@ def quantize_linears(model: nn.Module) -> int:
             setattr(parent, name, Int8Linear(child))
             swapped += 1
     fuse_siblings(model)
-    from medusa_heads.inference.norms import fuse_norms
-
-    fuse_norms(model)
     return swapped
 
 

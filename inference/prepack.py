@@ -216,9 +216,8 @@ class PackedWeight:
 
 
 def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
-    """Swap every nn.Linear of a CPU model in fp32 or bf16 for a PackedLinear, give siblings one product
-    (`fuse_siblings`), and run the RMS norms on one op where it gives their bits (`inference/norms.py`); returns how
-    many linears were swapped. Raises for a model on another device or in another dtype, or a
+    """Swap every nn.Linear of a CPU model in fp32 or bf16 for a PackedLinear, and give siblings one product
+    (`fuse_siblings`); returns how many were swapped. Raises for a model on another device or in another dtype, or a
     PyTorch without oneDNN."""
     if not prepack_supported():
         raise RuntimeError("this PyTorch build has no oneDNN packed linear (torch.ops.mkldnn._linear_pointwise)")
@@ -238,10 +237,8 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
             swapped += 1
     fuse_siblings(model)
     from medusa_heads.inference.exactness import cap_rows
-    from medusa_heads.inference.norms import fuse_norms
 
     cap_rows(model)
-    fuse_norms(model)
     return swapped
 
 
@@ -267,27 +264,19 @@ def prepack_heads(heads: nn.Module, batch_hint: int = 8) -> int:
 
 
 class stock_kernels:
-    """`with stock_kernels(model):` runs a prepacked model's linears and norms on the stock kernels again (for
-    baselines)."""
+    """`with stock_kernels(model):` runs a prepacked model's linears on the stock kernels again (for baselines)."""
 
     def __init__(self, model: nn.Module) -> None:
-        from medusa_heads.inference.norms import fused_norms
-
         self.layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        self.norms = [(m, m.forward) for m in fused_norms(model)]
 
     def __enter__(self) -> "stock_kernels":
         for m in self.layers:
             m.enabled = False
-        for m, _ in self.norms:
-            del m.forward
         return self
 
     def __exit__(self, *exc) -> None:
         for m in self.layers:
             m.enabled = True
-        for m, fused in self.norms:
-            m.forward = fused
 
 
 def is_prepacked(model: nn.Module) -> bool:
