@@ -26,6 +26,7 @@ ones do not, which is why fp32 stays "equal up to rounding".
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 from torch import nn
@@ -41,8 +42,7 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                     softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' attention-interface signature: query (B, Hq, T, D), key and value (B, Hkv, N, D), an additive
     float mask (B, 1, T, >= N) -> (output (B, T, Hq, D), None: the probabilities are not returned)."""
-    global _calls
-    _calls += 1
+    _count.n = getattr(_count, "n", 0) + 1
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"{NAME}: attention sinks are not supported; load this model with "
                          "attn_implementation='eager' or 'sdpa'")
@@ -79,11 +79,13 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out.transpose(2, 3).reshape(b, hq, t, d).transpose(1, 2).contiguous(), None
 
 
-_calls = 0  # calls so far, in every thread: whether a model's forward goes through this attention (inference/exactness.py)
+_count = threading.local()  # calls so far in each thread: whether a model's forward goes through this attention
 
 
 def calls() -> int:
-    return _calls
+    """This attention's calls so far in this thread (inference/exactness.py compares the count before and after a
+    probe's forwards: another thread decoding meanwhile must not make a model that skips it look as if it ran it)."""
+    return getattr(_count, "n", 0)
 
 
 _plans: list = []  # [(mask, n, (float mask, plan))]: the last few masks' analysis, shared by a forward's layers

@@ -126,3 +126,31 @@ def test_a_checkpoint_with_attention_sinks_loads_in_bf16_on_eager_attention(tmp_
     model, problems = _load(str(tmp_path), dtype=torch.bfloat16)
     assert model.base_model.config._attn_implementation == "eager" and not model.exact
     assert len(problems) == 1 and "sinks" in problems[0]
+
+
+@needs_bf16
+def test_the_attention_counter_counts_this_threads_calls_only():
+    """The load check reads it before and after its probe: a forward in another thread must not move it."""
+    import threading
+
+    from medusa_heads.inference import exact_attention
+
+    base = tiny_model("llama").to(torch.bfloat16)
+    use_exact_attention(base)
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+    seen = {}
+
+    def other():
+        before = exact_attention.calls()
+        with torch.no_grad():
+            base(ids)
+        seen["other"] = exact_attention.calls() - before
+
+    here = exact_attention.calls()
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen["other"] == base.config.num_hidden_layers and exact_attention.calls() == here
+    with torch.no_grad():
+        base(ids)
+    assert exact_attention.calls() == here + base.config.num_hidden_layers
