@@ -1,4 +1,5 @@
-"""`medusa-heads fit` end to end on tiny random models: heads that load by default, lossless, a report, resumable."""
+"""`medusa-heads fit` end to end on tiny random models: heads that load by default, lossless, a report, resumable.
+fit runs on a clock that advances by counts (tests/fit_clock.py), so the counts it buys are the same on any host."""
 import json
 
 import pytest
@@ -7,6 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import tiny_model
+from fit_clock import TICKING_CLI, Ticks, tick_fit
 from medusa_heads.model import MedusaModel
 from medusa_heads.training.fit import Clock, choose_recipe, fit, parse_budget, plan_text, training_prompts
 
@@ -57,7 +59,7 @@ def _model(folder, arch: str, chat: bool = False, **kw):
 
 
 def _fit(model_dir, out, folder, **kw):
-    kw = {"prompts": [str(folder / "train.jsonl")], **kw}
+    kw = {"prompts": [str(folder / "train.jsonl")], "now": Ticks(), **kw}
     return fit(str(model_dir), 120, out, bench_files=[str(folder / "bench.jsonl")],
                bench_prompts=str(folder / "bench.jsonl"), max_answers=24, max_steps=8, log=lambda m: None, **kw)
 
@@ -86,8 +88,16 @@ def test_prompts_decontaminated(prompts):
 def test_fit_end_to_end(tmp_path, prompts, arch, kw):
     base = _model(tmp_path / "model", arch, **kw)
     report = _fit(tmp_path / "model", tmp_path / "heads", prompts, **({"prompts": None} if kw.get("chat") else {}))
-    answers = json.loads((tmp_path / "heads" / "fit_state.json").read_text())["answers"]
+    state = json.loads((tmp_path / "heads" / "fit_state.json").read_text())
+    answers = state["answers"]
     assert (answers["self_prompts"] > 0) == bool(kw.get("chat"))
+    # what the clock bought is the cap, all of it written in time (with the held-out rows take() adds to each part);
+    # for a chat model, the prompts it writes cost 6 answers, and the timed batch (20 rows) is then the most
+    if kw.get("chat"):
+        assert (answers["greedy"], answers["sampled"]) == (20, 0) and report["answers"]["greedy"] >= 20
+    else:
+        assert (answers["greedy"], answers["sampled"]) == (17, 7) and report["answers"] == {"greedy": 18, "sampled": 10}
+    assert not state["done"]["distill"]["stopped_at_deadline"] and state["steps"]["max_steps"] == 8
     assert (tmp_path / "heads" / "self_prompts.jsonl.gz").is_file() == bool(kw.get("chat"))
     for key in ("answers", "train_tokens", "steps", "held_out_top1", "bench", "phases_s", "spent_s"):
         assert key in report
@@ -107,27 +117,36 @@ def test_fit_end_to_end(tmp_path, prompts, arch, kw):
 
 def test_kill_9_in_each_phase_then_rerun_gives_the_same_heads(tmp_path, prompts):
     """The command line, killed with SIGKILL inside each phase in turn (after distill's first batch, train's first
-    checkpoint, calibrate's files, the bench), rerun each time: the heads and answers of one run that was not."""
+    checkpoint, calibrate's files, the bench), rerun each time: the heads and answers of one run that was not. On a
+    clock that advances by counts: the killed runs' time is charged to the budget, and on wall time a slow host
+    would size the reruns' phases from what little was left."""
     import os
     import signal
     import subprocess
     import sys
 
     _model(tmp_path / "model", "llama")
-    argv = [sys.executable, "-m", "medusa_heads.cli", "fit", "--model", str(tmp_path / "model"), "--budget", "5m",
+    argv = [sys.executable, "-c", TICKING_CLI, "fit", "--model", str(tmp_path / "model"), "--budget", "5m",
             "--prompts", str(prompts / "train.jsonl"), "--bench-prompts", str(prompts / "bench.jsonl"),
             "--max-answers", "24", "--max-steps", "8", "--threads", "1"]
 
     def run(out, kill_at=None):
         env = {**os.environ, "MEDUSA_HEADS_KILL_AT": kill_at or ""}
-        return subprocess.run(argv + ["--out", str(out)], env=env, capture_output=True, text=True).returncode
+        done = subprocess.run(argv + ["--out", str(out)], env=env, capture_output=True, text=True)
+        assert done.returncode == (-signal.SIGKILL if kill_at else 0), done.stderr[-2000:]
+        return done.returncode
 
     assert run(tmp_path / "whole") == 0
+    whole = json.loads((tmp_path / "whole" / "fit_state.json").read_text())
+    assert whole["answers"]["greedy"] + whole["answers"]["sampled"] == 24 and whole["steps"]["max_steps"] == 8
     for phase in ("distill", "train", "calibrate", "bench"):
         assert run(tmp_path / "killed", phase) == -signal.SIGKILL, phase
         state = json.loads((tmp_path / "killed" / "fit_state.json").read_text())
         assert phase not in state["done"], phase  # killed inside it
     assert run(tmp_path / "killed") == 0
+    killed = json.loads((tmp_path / "killed" / "fit_state.json").read_text())
+    assert all(killed["answers"][k] == whole["answers"][k] for k in ("greedy", "sampled", "timed"))
+    assert json.loads((tmp_path / "killed" / "report.json").read_text())["steps"] == 8
     for name in ("heads.safetensors", "distilled.jsonl", "distilled_t07.jsonl"):
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "killed" / name).read_bytes(), name
     assert json.loads((tmp_path / "killed" / "report.json").read_text())["bench"]["differ"] == 0
@@ -143,7 +162,7 @@ def test_train_deadline_stops_at_the_step_it_is_on(tmp_path, prompts):
     base = _model(tmp_path / "model", "llama")
     fit(str(tmp_path / "model"), 120, tmp_path / "d", prompts=[str(prompts / "train.jsonl")],
         bench_files=[str(prompts / "bench.jsonl")], bench_prompts=str(prompts / "bench.jsonl"), max_answers=24,
-        stop_after="distill", log=lambda m: None)
+        stop_after="distill", log=lambda m: None, now=Ticks())
     recipe = TrainRecipe(model=str(tmp_path / "model"), data=str(tmp_path / "d" / "distilled.jsonl"),
                          features=str(tmp_path / "d" / "features"), out=str(tmp_path / "h"), max_steps=50,
                          eval_every=10, save_every=10, num_heads=2, batch_size=64)
@@ -176,6 +195,52 @@ def test_plan_says_up_front_when_the_fixed_phases_overrun_the_budget():
     assert "overrun" not in plan_text(fits, Clock(360.0, 10.0))
 
 
+def test_a_budget_that_cannot_hold_the_phases_is_refused_before_any_phase(tmp_path, prompts, monkeypatch):
+    """A target that generates 20 tokens/s (on the test's clock, whatever the host): --budget 20s is one line naming
+    the smallest budget that holds the phases (calibrate alone is 1,800 tokens, 1.5 min), nothing is written and
+    no phase starts; a minute less than the one named is refused too, the one named is not."""
+    import medusa_heads.loading as loading
+    import medusa_heads.training.fit as fit_module
+    from medusa_heads.cli import main
+
+    _model(tmp_path / "model", "llama")
+    clock, real_load = tick_fit(monkeypatch), loading.load_base
+
+    def slow_target(*args, **kwargs):
+        base = real_load(*args, **kwargs)
+        generate = base.generate
+        base.generate = lambda *a, **k: clock.advance(0.05 * k["max_new_tokens"]) or generate(*a, **k)
+        return base
+
+    class Distilling(BaseException):
+        pass
+
+    def distill(*args, **kwargs):
+        raise Distilling
+
+    monkeypatch.setattr(loading, "load_base", slow_target)
+    monkeypatch.setattr(fit_module, "_distill", distill)
+
+    def fit_for(budget: str) -> str:
+        out = tmp_path / f"heads-{budget}"
+        argv = ["fit", "--model", str(tmp_path / "model"), "--budget", budget, "--out", str(out), "--prompts",
+                str(prompts / "train.jsonl"), "--bench-prompts", str(prompts / "bench.jsonl")]
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert not (out / "fit_state.json").exists()  # nothing written
+        return str(e.value.code)
+
+    for budget in ("20s", "2m"):
+        message = fit_for(budget)
+        assert message.startswith(f"medusa-heads fit: --budget {budget} cannot hold the phases here: the target "
+                                  "generates 20.0 tokens/s, so what is spent (2 s: starting, loading, timing it), ")
+        assert message.endswith("need at least 2.9 min; give --budget 3m or more") and "\n" not in message, message
+    with pytest.raises(Distilling):  # planned, then distill starts
+        fit_for("3m")
+    plan = json.loads((tmp_path / "heads-3m" / "fit_state.json").read_text())["plan"]
+    assert plan["per_token"] == pytest.approx(0.05, abs=1e-4) and plan["calibrate_s"] == pytest.approx(90, abs=0.2)
+
+
 def test_a_failure_in_any_phase_is_one_line_and_a_rerun_continues(tmp_path, prompts, monkeypatch):
     """A sliding-window model (a window of 16 tokens, which calibrate's contexts cross); each phase in turn raises:
     one line naming the phase and the cause, nothing done is lost, the heads load (with their fixed tree when
@@ -184,7 +249,7 @@ def test_a_failure_in_any_phase_is_one_line_and_a_rerun_continues(tmp_path, prom
     from medusa_heads.cli import main
 
     base = _model(tmp_path / "model", "gemma2", sliding_window=16)
-    monkeypatch.setattr(fit_module, "process_start", lambda: __import__("time").time())
+    tick_fit(monkeypatch)
     out = tmp_path / "heads"
     argv = ["fit", "--model", str(tmp_path / "model"), "--budget", "5m", "--out", str(out), "--prompts",
             str(prompts / "train.jsonl"), "--bench-prompts", str(prompts / "bench.jsonl"), "--max-answers", "24",

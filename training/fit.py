@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import time
 from pathlib import Path
+from typing import Callable
 
 from medusa_heads.corpus import PromptRow, as_variant, is_eval, read_prompts, subsample
 
@@ -35,6 +37,10 @@ SAMPLED_VARIANT = "t07"
 SELF_SHARE = 0.3
 SELF_PROMPT_TOKENS = 96  # longest prompt the model writes (a longer one is dropped)
 MIN_STEPS = 20
+FIRST_BATCH = 16  # answers of distill's timed batch: the least distill does
+# a distilled answer costs about this many of the target's generate tokens a token it may write (batches of 16,
+# features kept: 1.4 s an answer of at most 128 tokens at 32 ms a token in the 6-minute run, results/fit/6m)
+ANSWER_COST = 0.35
 BENCH_TOKENS = 64  # new tokens a bench prompt
 STATE = "fit_state.json"
 FEATURES_CHUNK = 256  # answers a features call when they come from a server: the state (time spent) is saved after each
@@ -198,17 +204,24 @@ def _source_flag(source: dict) -> str:
 
 # ---- the command ---------------------------------------------------------------------------------------------------
 
-class Clock:
-    """The budget: seconds spent before this run (from the state) plus this run's."""
+Now = Callable[[], float]
 
-    def __init__(self, budget_s: float, spent_before: float):
-        self.budget, self.before, self.t0 = budget_s, spent_before, time.time()
+
+class Clock:
+    """The budget's time, the one time fit reads: every deadline and every estimate (distill's end, answers, steps,
+    the bench) comes from `now`. That is wall time for a user; a test passes a clock of its own (one that advances by
+    counts), so that what fit decides does not depend on the host's speed or load. spent(): the seconds spent
+    before this run (from the state) plus this run's, since `started` (in `now`'s time; default: now)."""
+
+    def __init__(self, budget_s: float, spent_before: float, now: Now = time.time, started: float | None = None):
+        self.budget, self.before, self.now = budget_s, spent_before, now
+        self.t0 = now() if started is None else min(started, now())
 
     def spent(self) -> float:
-        return self.before + time.time() - self.t0
+        return self.before + self.now() - self.t0
 
     def at(self, spent: float) -> float:
-        """The wall time at which the budget clock reads `spent`."""
+        """The time (in `now`'s) at which the budget clock reads `spent`."""
         return self.t0 + spent - self.before
 
     def left(self) -> float:
@@ -241,29 +254,62 @@ def plan_text(state: dict, clock: Clock) -> str:
     return "\n".join(lines)
 
 
-def make_plan(base, tok, budget_s: float, spent: float, bench_prompts: str) -> dict:
+def _per(seconds: float, count: int) -> float:
+    """Seconds a unit of work, never 0 (a test's clock may read no time passing): the sizes divide by it."""
+    return max(seconds, 1e-6) / max(count, 1)
+
+
+def make_plan(base, tok, clock: Clock, bench_prompts: str) -> dict:
     """Time the target's generate once; from it the fixed phases' estimates and distill's end (in budget seconds)."""
     import torch
 
     from medusa_heads.prompting import prompt_ids
 
-    start = time.time()
     rows = read_prompts(bench_prompts)
     ids = prompt_ids(tok, rows[0].turns[0])
     with torch.no_grad():
         times = []
         for _ in range(3):  # the fastest of three: the first warms up
-            s = time.time()
+            s = clock.now()
             base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-            times.append(time.time() - s)
-    per_token = min(times) / 16
+            times.append(clock.now() - s)
+    per_token = _per(min(times), 16)
     per_prompt = BENCH_FACTOR * BENCH_TOKENS * per_token
-    n_bench = max(2, min(len(rows), int(BENCH_SHARE * budget_s / per_prompt)))
+    n_bench = max(2, min(len(rows), int(BENCH_SHARE * clock.budget / per_prompt)))
     calibrate_s, bench_s = CALIBRATE_TOKENS * per_token, n_bench * per_prompt
-    spent = spent + time.time() - start
-    free = max(budget_s - spent - calibrate_s - bench_s, 0)
+    spent = clock.spent()
+    free = max(clock.budget - spent - calibrate_s - bench_s, 0)
     return {"per_token": per_token, "calibrate_s": calibrate_s, "bench_prompts": n_bench, "bench_s": bench_s,
             "distill_by": spent + DISTILL_SHARE * free}
+
+
+def least_budget(plan: dict, spent: float, max_new_tokens: int, first_batch: int = FIRST_BATCH) -> float:
+    """The smallest budget whose plan holds every phase, from a plan timed here: what is spent (Python's start,
+    loading, the timing), calibrate, the bench (2 prompts, or its share of the budget where that buys more), and a
+    distill share that buys its timed batch (train then gets its share of the same)."""
+    first = first_batch * ANSWER_COST * max_new_tokens * plan["per_token"]
+    held = spent + plan["calibrate_s"] + first / DISTILL_SHARE
+    per_prompt = plan["bench_s"] / plan["bench_prompts"]
+    return max(held + 2 * per_prompt, held / (1 - BENCH_SHARE))
+
+
+def _duration(seconds: float) -> str:
+    """As --budget takes it: 20s, 6m, 1h30m."""
+    h, rest = divmod(round(seconds), 3600)
+    m, s = divmod(rest, 60)
+    return "".join(f"{v}{unit}" for v, unit in ((h, "h"), (m, "m"), (s, "s")) if v) or "0s"
+
+
+def check_budget(plan: dict, clock: Clock, max_new_tokens: int, max_answers: int = 0) -> None:
+    """ValueError (one line, naming the smallest budget that would do) where the budget cannot hold the phases:
+    said before any phase starts, rather than a plan that overruns."""
+    spent = clock.spent()
+    least = least_budget(plan, spent, max_new_tokens, min(FIRST_BATCH, max_answers or FIRST_BATCH))
+    if clock.budget < least:
+        raise ValueError(f"--budget {_duration(clock.budget)} cannot hold the phases here: the target generates "
+                         f"{1 / plan['per_token']:.1f} tokens/s, so what is spent ({spent:.0f} s: starting, loading, "
+                         "timing it), calibrate, a bench of 2 prompts and distill's first batch need at least "
+                         f"{least / 60:.1f} min; give --budget {math.ceil(least / 60)}m or more")
 
 
 def process_start() -> float:
@@ -299,10 +345,11 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
         bench_files: list[str] | None = None, max_answers: int = 0, max_steps: int = 0,
         stop_after: str | None = None, started: float | None = None, log=print, server: str | None = None,
         server_model: str | None = None, concurrency: int | None = None, engine: str | None = None,
-        vllm_python: str | None = None, vllm_args: str | list[str] | None = None) -> dict:
+        vllm_python: str | None = None, vllm_args: str | list[str] | None = None, now: Now = time.time) -> dict:
     """Run (or continue) every phase not yet done in `out`; returns the report. max_answers / max_steps > 0 cap
     what the budget would buy (tests, or a smaller run); stop_after ends after that phase (a test hook); started:
-    when the budget's clock started (default: now). server (an OpenAI-compatible server of the target; server_model:
+    when the budget's clock started (default: now); now: the clock every deadline and estimate reads (a test's own
+    makes fit's decisions independent of the host's speed; `started` is in its time). server (an OpenAI-compatible server of the target; server_model:
     its served name, default the first listed) or engine="vllm" (vllm_python, vllm_args: vLLM's server started for
     the phase): the answers come from there, `concurrency` requests in flight, and their features from a separate
     pass; a rerun takes the same kind of source while distill is not done."""
@@ -332,9 +379,7 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
     state.setdefault("seed", seed)
     state.setdefault("budget_s", budget_s)
     state.setdefault("done", {})
-    clock = Clock(state["budget_s"], state.get("spent_s", 0.0))
-    if started is not None:
-        clock.t0 = min(started, clock.t0)
+    clock = Clock(state["budget_s"], state.get("spent_s", 0.0), now, started)
     if all(p in state["done"] for p in PHASES):
         log(f"fit: every phase is done in {out}; the report is {out / 'report.md'}")
         return json.loads((out / "report.json").read_text())
@@ -348,24 +393,24 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
     def save() -> None:  # the state, with the time spent so far (a kill loses at most the time since)
         state["spent_s"] = clock.spent()
         if running:  # a phase resumed after a kill counts its earlier runs' time too
-            state.setdefault("phase_s", {})[running["phase"]] = running["before"] + time.time() - running["t0"]
+            state.setdefault("phase_s", {})[running["phase"]] = running["before"] + clock.now() - running["t0"]
         write_state(out, state)
 
     if "plan" not in state:
         try:
-            state["rules"] = choose_recipe(h, v, state["budget_s"])
-            state["params"] = sum(p.numel() for p in base.parameters())
-            state["plan"] = make_plan(base, tok, state["budget_s"], clock.spent(), bench_prompts)
+            rules, plan = choose_recipe(h, v, state["budget_s"]), make_plan(base, tok, clock, bench_prompts)
         except Exception as e:
             raise PhaseFailed(f"planning failed ({type(e).__name__}: {_first_line(e)}) while timing the model's "
                               f"generate; nothing was written to {out}") from e
+        check_budget(plan, clock, rules["max_new_tokens"], max_answers)  # before anything is written
+        state.update(rules=rules, params=sum(p.numel() for p in base.parameters()), plan=plan)
         save()
     log(plan_text(state, clock))
     plan = state["plan"]
 
     def finish(phase: str, t0: float, **info) -> None:
         before = running.get("before", 0.0) if running.get("phase") == phase else 0.0
-        state["done"][phase] = {"seconds": before + time.time() - t0, **info}
+        state["done"][phase] = {"seconds": before + clock.now() - t0, **info}
         running.clear()
         save()
 
@@ -375,7 +420,7 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
     for phase in PHASES:
         if phase in state["done"]:
             continue
-        t0 = time.time()
+        t0 = clock.now()
         running.update(phase=phase, t0=t0, before=state.get("phase_s", {}).get(phase, 0.0))
         state.pop("failed", None)
         try:
@@ -385,12 +430,12 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
                 remote = state.get("source", {}).get("kind", "transformers") != "transformers"
                 run = _distill_remote if remote else _distill
                 finish(phase, t0, **run(base, tok, state, out, data, seconds, fraction, prompts, bench_files,
-                                        max_answers, log, save))
+                                        max_answers, log, save, clock.now))
             elif phase == "train":
                 seconds = max(clock.left() - fixed, 0)
                 log(f"fit: train, ~{seconds / 60:.1f} min")
                 finish(phase, t0, **_train(base, state, out, data, seconds, clock.at(state["budget_s"] - fixed),
-                                           max_steps, log, save))
+                                           max_steps, log, save, clock.now))
             elif phase == "calibrate":
                 log(f"fit: calibrate, ~{plan['calibrate_s'] / 60:.1f} min")
                 info = _calibrate(base, tok, state, out, data, force_cost, log)
@@ -429,7 +474,8 @@ def _prompt_pool(state, tok, prompts, bench_files) -> tuple[list[str], bool, lis
     return files, chat, bench, pool
 
 
-def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_files, max_answers, log, save) -> dict:
+def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_files, max_answers, log, save,
+             now: Now) -> dict:
     """Greedy answers to the first prompts, then sampled ones to the first of those: as many as the phase's time
     buys, measured on the first batch; features kept during generation."""
     from tqdm import tqdm
@@ -440,21 +486,21 @@ def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_file
     from medusa_heads.training.loop import crash_point
     from medusa_heads.training.self_prompts import write_self_prompts
 
-    t0 = time.time()
+    t0 = now()
     files, chat, bench, pool = _prompt_pool(state, tok, prompts, bench_files)
     tokens, batch = state["rules"]["max_new_tokens"], 16
     kw = dict(max_new_tokens=tokens, batch_size=batch, seed=state["seed"], features=out / "features")
     if "answers" not in state:  # one batch, timed, sizes the phase
         cap = max_answers or len(pool)
-        s, written, k = time.time(), 0, 1
+        s, written, k = now(), 0, 1
         while True:  # a batch of new answers is timed (after a kill in it, the next one: rows already done are skipped)
             first = take(pool, min(k * batch, cap), fraction)
             written += distill(base, tok, first, data[0], **kw)["written"]
             if written >= min(batch, cap) or k * batch >= cap:
                 break
             k += 1
-        per = (time.time() - s) / max(written, 1)
-        n = int(max(seconds - (time.time() - t0), 0) / per)
+        per = _per(now() - s, written)
+        n = int(max(seconds - (now() - t0), 0) / per)
         n = max(min(n, cap, 2 * len(pool)), len(first))  # the first batch alone makes working heads
         writes = chat and str(state["model"]) != DEFAULT_MODEL  # a chat model without prompts of its own yet
         own = int(SELF_SHARE * (n - int(n * state["rules"]["sampled_share"]))) if writes else 0
@@ -485,7 +531,7 @@ def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_file
                desc="distill (greedy, then sampled)", unit="answer")
     for rows, path, extra in jobs:
         for i in range(0, len(rows), batch):  # a batch at a time, to look at the clock
-            if time.time() > deadline:
+            if now() > deadline:
                 stopped = True
                 break
             n = distill(base, tok, rows[: i + batch], path, **kw, **extra, progress=False)["written"]
@@ -494,7 +540,7 @@ def _distill(base, tok, state, out, data, seconds, fraction, prompts, bench_file
             crash_point("distill")
     bar.close()
     if stopped:
-        log(f"fit: distill stopped at its deadline, {time.time() - t0:.0f} s")
+        log(f"fit: distill stopped at its deadline, {now() - t0:.0f} s")
     return {"greedy": len(read_conversations(data[0])), "sampled": len(read_conversations(data[1])),
             "stopped_at_deadline": stopped}
 
@@ -517,7 +563,7 @@ def _serving(state: dict, out: Path, log):
 
 
 def _distill_remote(base, tok, state, out, data, seconds, fraction, prompts, bench_files, max_answers, log,
-                    save) -> dict:
+                    save, now: Now) -> dict:
     """Answers from a server (or a vLLM started here), then their features in a separate pass, both within the
     phase's time: the server is checked against the target, one batch of answers and then its features are timed,
     and the phase's share sets how many answers follow (44% sampled, as in _distill); answers stop being asked for
@@ -531,19 +577,19 @@ def _distill_remote(base, tok, state, out, data, seconds, fraction, prompts, ben
     from medusa_heads.training.loop import crash_point
     from medusa_heads.training.remote import ServerError, check_server, distill_from_server
 
-    t0 = time.time()
+    t0 = now()
     deadline = t0 + 1.1 * seconds
     source = state["source"]
     files, _, _, pool = _prompt_pool(state, tok, prompts, bench_files)
     parts = state.setdefault("distill_parts", {"answers_s": 0.0, "features_s": 0.0})
     folder = out / "features"
     data[1].touch()
-    mark = [time.time()]
+    mark = [now()]
 
     def tick(part: str) -> None:  # the time since the last tick goes to `part` ("answers_s" or "features_s")
-        now = time.time()
-        parts[part] += now - mark[0]
-        mark[0] = now
+        t = now()
+        parts[part] += t - mark[0]
+        mark[0] = t
 
     def lacking() -> list[dict]:  # answers without features yet
         have = feature_ids(folder) if folder.is_dir() else set()
@@ -578,21 +624,21 @@ def _distill_remote(base, tok, state, out, data, seconds, fraction, prompts, ben
             if "answers" not in state:  # one batch of answers, then its features, timed, size the phase
                 cap = max_answers or len(pool)
                 size = min(max(16, kw["concurrency"]), cap)  # every request in flight at once, at least
-                s, written, k = time.time(), 0, 1
+                s, written, k = now(), 0, 1
                 while True:  # after a kill in it, the next batch: rows already answered are skipped
                     first = take(pool, min(k * size, cap), fraction)
                     written += asked(distill_from_server(server, tok, first, data[0], **kw))["written"]
                     if written >= size or k * size >= cap:
                         break
                     k += 1
-                per_answer = (time.time() - s) / max(written, 1)
+                per_answer = _per(now() - s, written)
                 tick("answers_s")
                 save()
-                s, todo = time.time(), lacking()
+                s, todo = now(), lacking()
                 features(todo)
-                per_feature = (time.time() - s) / max(len(todo), 1)
+                per_feature = _per(now() - s, len(todo))
                 done_now = sum(len(read_conversations(p)) for p in data)
-                n = done_now + int(max(seconds - (time.time() - t0), 0) / (per_answer + per_feature))
+                n = done_now + int(max(seconds - (now() - t0), 0) / (per_answer + per_feature))
                 n = max(min(n, cap, 2 * len(pool)), len(first))  # the first batch alone makes working heads
                 greedy = max(n - int(n * state["rules"]["sampled_share"]), len(first))
                 state["answers"] = {"greedy": greedy, "sampled": n - greedy, "self_prompts": 0,
@@ -611,13 +657,13 @@ def _distill_remote(base, tok, state, out, data, seconds, fraction, prompts, ben
 
             def over(counts: dict | None = None) -> bool:
                 """Whether an answer more would leave too little time for the features of those written."""
-                if time.time() - mark[0] > 5:  # the time spent, saved now and then
+                if now() - mark[0] > 5:  # the time spent, saved now and then
                     tick("answers_s")
                     save()
                 if counts is not None:
                     crash_point("distill")  # an answer of the phase written
                 written = asked_now[0] + (counts["written"] if counts else 0)
-                return time.time() + per_feature * (pending + written) > deadline
+                return now() + per_feature * (pending + written) > deadline
 
             greedy = take(pool, a["greedy"], fraction)
             sampled = as_variant(take(pool, a["sampled"], fraction), SAMPLED_VARIANT) if a["sampled"] else []
@@ -637,7 +683,7 @@ def _distill_remote(base, tok, state, out, data, seconds, fraction, prompts, ben
         parts["answers_done"], parts["stopped"] = True, stopped
         save()
         if stopped:
-            log(f"fit: answers stopped at {time.time() - t0:.0f} s, to leave their features time before the "
+            log(f"fit: answers stopped at {now() - t0:.0f} s, to leave their features time before the "
                 "phase's end")
     todo = lacking()
     if todo:
@@ -650,16 +696,16 @@ def _distill_remote(base, tok, state, out, data, seconds, fraction, prompts, ben
             "greedy_differ": check.get("greedy_differ"), "tokenizer": check.get("tokenizer")}
 
 
-def _train(base, state, out, data, seconds, deadline, max_steps, log, save) -> dict:
+def _train(base, state, out, data, seconds, deadline, max_steps, log, save, now: Now) -> dict:
     """Steps as many as the phase's time buys at one timed step (measured on the heads themselves); past the
-    deadline (wall time) training stops at the step it is on, with a final evaluation and the heads saved."""
+    deadline (in `now`'s time) training stops at the step it is on, with a final evaluation and the heads saved."""
     from medusa_heads.training.recipe import TrainRecipe
     from medusa_heads.training.trainer import train
 
     files = [str(p) for p in data if p.is_file() and p.stat().st_size]
     rules = state["rules"]["recipe"]
     if "steps" not in state:
-        per = _time_step(base, rules)
+        per = _time_step(base, rules, now)
         n = max(MIN_STEPS, int(seconds * 0.95 / per))  # evaluation and checkpoints: the rest; the deadline bounds it
         n = min(n, max_steps) if max_steps else n
         state["steps"] = {"max_steps": n, "seconds_per_step": per}
@@ -669,7 +715,7 @@ def _train(base, state, out, data, seconds, deadline, max_steps, log, save) -> d
     recipe = TrainRecipe(model=state["model"], data=",".join(files), features=str(out / "features"), out=str(out),
                          max_steps=n, warmup_steps=max(1, min(50, n // 10)), eval_every=max(1, n // 4),
                          save_every=max(1, n // 4), seed=state["seed"], **rules)
-    train(recipe, resume=True, deadline=deadline)
+    train(recipe, resume=True, deadline=deadline, now=now)
     log_rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
     data_row = next(r for r in log_rows if r["kind"] == "data")
     final = [r for r in log_rows if r["kind"] == "eval"][-1]
@@ -678,7 +724,7 @@ def _train(base, state, out, data, seconds, deadline, max_steps, log, save) -> d
             "top1": [final[f"top1_{k + 1}"] for k in range(rules["num_heads"])]}
 
 
-def _time_step(base, rules: dict, repeats: int = 3) -> float:
+def _time_step(base, rules: dict, now: Now = time.time, repeats: int = 3) -> float:
     """Seconds of one optimizer step of these heads over a batch of random features (the median of `repeats`)."""
     import torch
 
@@ -698,13 +744,13 @@ def _time_step(base, rules: dict, repeats: int = 3) -> float:
     targets = torch.randint(0, len(vocab), (b, k), generator=g)
     times = []
     for _ in range(repeats + 1):
-        s = time.time()
+        s = now()
         loss = medusa_loss(heads(hidden, context), targets, rules["decay"])[0]
         loss.backward()
         opt.step()
         opt.zero_grad()
-        times.append(time.time() - s)
-    return sorted(times[1:])[len(times[1:]) // 2]  # the first warms up
+        times.append(now() - s)
+    return _per(sorted(times[1:])[len(times[1:]) // 2], 1)  # the first warms up
 
 
 def _calibrate(base, tok, state, out, data, force_cost, log) -> dict:
@@ -813,4 +859,5 @@ def write_report(state: dict, out: Path) -> dict:
     return report
 
 
-__all__ = ["PHASES", "PhaseFailed", "answer_source", "check_source", "choose_recipe", "fit", "make_plan", "parse_budget", "plan_text", "process_start", "training_prompts"]
+__all__ = ["PHASES", "Clock", "PhaseFailed", "answer_source", "check_budget", "check_source", "choose_recipe", "fit",
+           "least_budget", "make_plan", "parse_budget", "plan_text", "process_start", "training_prompts"]

@@ -250,9 +250,9 @@ def crash_point(name: str) -> None:
 
 
 def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Path, bool], Job],
-        deadline: float | None = None) -> Path:
+        deadline: float | None = None, now: Callable[[], float] = time.time) -> Path:
     """Train per the recipe; setup(conversations, accelerator, checkpoint folder, resume from it) builds the job.
-    Returns the heads directory. Past `deadline` (time.time(); one process only) the step it is on is the last."""
+    Returns the heads directory. Past `deadline` (read on `now`; one process only) the step it is on is the last."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -301,7 +301,7 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
                     job.scheduler.step()
                 job.optimizer.zero_grad()
         step += 1
-        if deadline is not None and time.time() > deadline and step < last:
+        if deadline is not None and now() > deadline and step < last:
             accelerator.print(f"train: the deadline has passed: step {step} of {recipe.max_steps} is the last")
             last = step
         last_loss = float(loss.detach())

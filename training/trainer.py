@@ -2,8 +2,10 @@
 also the one entry point of joint (LoRA) training."""
 from __future__ import annotations
 
+import time
 from functools import lru_cache, partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -19,15 +21,17 @@ from medusa_heads.training.loss import IGNORE, SoftTargets, medusa_loss, teacher
 from medusa_heads.training.recipe import TrainRecipe
 
 
-def train(recipe: TrainRecipe, resume: bool = False, deadline: float | None = None) -> Path:
+def train(recipe: TrainRecipe, resume: bool = False, deadline: float | None = None,
+          now: Callable[[], float] = time.time) -> Path:
     """Train heads per the recipe (with LoRA on the base when recipe.lora_rank > 0); returns the heads directory.
-    Rerun with resume=True after an interruption. deadline (a time.time(), one process only): stop at the step it
-    is on once it has passed, evaluated and saved as if it were the last."""
+    Rerun with resume=True after an interruption. deadline (in the time of `now`, wall time unless fit passes its
+    clock; one process only): stop at the step it is on once it has passed, evaluated and saved as if it were the
+    last."""
     if recipe.lora_rank > 0:
         if deadline is not None:
             raise ValueError("a deadline is for heads-only training (fit), not joint LoRA training")
         return train_joint(recipe, resume)
-    return run(recipe, resume, partial(_job, recipe), deadline)
+    return run(recipe, resume, partial(_job, recipe), deadline, now)
 
 
 def soft_batch(teacher: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, targets: torch.Tensor) -> SoftTargets:
