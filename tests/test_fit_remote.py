@@ -2,7 +2,8 @@
 (the stand-in of tests/test_remote.py, a tiny model behind http.server) or a vLLM started for the phase (its stand-in
 python), checks it against the target first, computes the features in a separate pass, stays resumable (a kill -9
 while answering, an interruption while computing features) and says where the answers came from; bad options are
-one line before any model loads."""
+one line before any model loads. fit runs on a clock that advances by counts (tests/fit_clock.py): the answers it
+buys are the same on any host."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ import torch
 from medusa_heads.corpus import read_conversations
 from medusa_heads.model import MedusaModel
 from medusa_heads.shards import feature_ids, shard_paths
+from fit_clock import TICKING_CLI, Ticks, tick_fit
 from test_fit import _model, write_prompts
 from test_remote import FAKE_VLLM, FakeEngine
 
@@ -56,7 +58,8 @@ def test_fit_with_a_server_trains_on_its_answers_and_reports_it(target, tmp_path
     try:
         report = fit(str(tmp_path / "model"), 300, out, prompts=[str(prompts / "train.jsonl")],
                      bench_files=[str(prompts / "bench.jsonl")], bench_prompts=str(prompts / "bench.jsonl"),
-                     max_answers=24, max_steps=8, log=logs.append, server=engine.url + "/v1", concurrency=4)
+                     max_answers=24, max_steps=8, log=logs.append, server=engine.url + "/v1", concurrency=4,
+                     now=Ticks())
     finally:
         engine.close()
     text = "\n".join(logs)
@@ -69,6 +72,9 @@ def test_fit_with_a_server_trains_on_its_answers_and_reports_it(target, tmp_path
     assert parts["answers"] > 0 and parts["features"] > 0
     answers = _answers(out)
     n = report["answers"]["greedy"] + report["answers"]["sampled"]
+    state = json.loads((out / "fit_state.json").read_text())
+    planned = state["answers"]["greedy"] + state["answers"]["sampled"]
+    assert planned == 24 and not state["done"]["distill"]["stopped_at_deadline"]  # the cap, all of it answered
     assert len(answers) == n >= 24 and report["answers"]["sampled"] > 0
     assert engine.requests == 4 + n  # the check's 4 greedy answers, then one request per (one-turn) answer
     assert feature_ids(out / "features") >= set(answers)  # every answer's hidden states, from the separate pass
@@ -95,20 +101,22 @@ def test_kill_9_while_answering_then_an_interruption_in_features_keep_what_was_w
     base, tok = target
     engine = FakeEngine(base, tok)
     out = tmp_path / "heads"
-    # a budget no slow host uses up: the killed run's time is charged to it, and with 5 minutes a fresh clone's
-    # `make test` once left the rerun's answers no time (19 of 30), so no features were left to interrupt
-    argv = ["fit", "--model", str(tmp_path / "model"), "--budget", "20m", "--out", str(out), "--prompts",
+    # on a clock of counts: the killed run's time is charged to the budget, and on wall time a slow host once left
+    # the rerun's answers no time (19 of 30), so no features were left to interrupt
+    tick_fit(monkeypatch)
+    argv = ["fit", "--model", str(tmp_path / "model"), "--budget", "5m", "--out", str(out), "--prompts",
             str(prompts / "train.jsonl"), "--bench-prompts", str(prompts / "bench.jsonl"), "--max-answers", "24",
             "--stop-after", "distill", "--server", engine.url, "--concurrency", "2", "--threads", "1"]
     try:
         env = {**os.environ, "MEDUSA_HEADS_KILL_AT": "distill"}
-        killed = subprocess.run([sys.executable, "-m", "medusa_heads.cli", *argv], env=env, capture_output=True,
-                                text=True, timeout=120)
+        killed = subprocess.run([sys.executable, "-c", TICKING_CLI, *argv], env=env, capture_output=True, text=True,
+                                timeout=600)
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
         state = json.loads((out / "fit_state.json").read_text())
         assert "distill" not in state["done"] and state["source"]["kind"] == "server" and "answers" in state
         before, asked_before = _answers(out), engine.requests
         planned = state["answers"]["greedy"] + state["answers"]["sampled"]
+        assert planned == 24  # the cap
         assert state["answers"]["timed_answers"] < len(before) < planned  # the timed batch and an answer after it
 
         class Interrupted(BaseException):  # as a kill would: nothing caught, nothing more saved
@@ -142,13 +150,15 @@ def test_kill_9_while_answering_then_an_interruption_in_features_keep_what_was_w
     done = state["done"]["distill"]
     assert done["source"] == {"kind": "server", "url": engine.url, "model": "tiny", "concurrency": 2}
     assert done["answers_s"] > 0 and done["features_s"] > 0
-    assert done["seconds"] >= done["answers_s"] + done["features_s"] - 1  # the phase counts its killed runs' time too
+    # the phase counts its killed runs' time too
+    assert done["answers_s"] > 0 and done["seconds"] >= done["answers_s"] + done["features_s"] - 1e-9
     assert done["greedy"] + done["sampled"] == len(answered)
 
 
-def test_fit_engine_vllm_starts_vllm_for_the_phase_and_stops_it(target, tmp_path, prompts, capsys):
+def test_fit_engine_vllm_starts_vllm_for_the_phase_and_stops_it(target, tmp_path, prompts, capsys, monkeypatch):
     from medusa_heads.cli import main
 
+    tick_fit(monkeypatch)
     fake = tmp_path / "python"
     fake.write_text(FAKE_VLLM.format(python=sys.executable, tests=Path(__file__).parent))
     fake.chmod(0o755)
@@ -165,6 +175,8 @@ def test_fit_engine_vllm_starts_vllm_for_the_phase_and_stops_it(target, tmp_path
     done = json.loads((out / "fit_state.json").read_text())["done"]["distill"]
     assert done["source"]["kind"] == "vllm" and done["source"]["model"] == "target" and done["greedy_differ"] == 0
     answers = _answers(out)
+    planned = json.loads((out / "fit_state.json").read_text())["answers"]
+    assert planned["greedy"] + planned["sampled"] == 20 and not done["stopped_at_deadline"]  # the cap, all answered
     assert len(answers) == done["greedy"] + done["sampled"] >= 20 and feature_ids(out / "features") >= set(answers)
     pid = int(log.split("pid ", 1)[1].split()[0])
     with pytest.raises(ProcessLookupError):  # stopped when its part of the phase ended
@@ -191,19 +203,20 @@ def test_a_stop_leaves_the_rows_not_yet_sent_and_a_rerun_asks_only_them(target, 
 
 
 def test_answers_stop_where_the_phase_has_no_time_left_and_all_get_features(target, tmp_path, prompts, monkeypatch):
-    """A distill share of almost nothing: the timed batch alone is answered (the phase's end has passed), and its
-    answers still get their features."""
-    import medusa_heads.training.fit as fit_module
+    """A host so slow that the timed batch takes the whole budget: it alone is answered (the phase's end has
+    passed), and its answers still get their features."""
+    import medusa_heads.training.remote as remote
     from medusa_heads.training.fit import fit
 
-    monkeypatch.setattr(fit_module, "DISTILL_SHARE", 1e-4)
+    clock, real = Ticks(), remote.distill_from_server
+    monkeypatch.setattr(remote, "distill_from_server", lambda *a, **k: clock.advance(300) or real(*a, **k))
     base, tok = target
     engine = FakeEngine(base, tok)
     out = tmp_path / "heads"
     try:
         fit(str(tmp_path / "model"), 300, out, prompts=[str(prompts / "train.jsonl")],
             bench_files=[str(prompts / "bench.jsonl")], bench_prompts=str(prompts / "bench.jsonl"), max_answers=40,
-            stop_after="distill", log=lambda m: None, server=engine.url)
+            stop_after="distill", log=lambda m: None, server=engine.url, now=clock)
     finally:
         engine.close()
     state = json.loads((out / "fit_state.json").read_text())
