@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -117,10 +116,8 @@ def test_a_device_this_machine_lacks_is_one_line(no_model, capsys):
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line_before_anything_loads(files, no_model, capsys):  # noqa: F811
-    t = time.perf_counter()
     code, err = run(["generate", "--prompt", "ab\udcffc"], capsys)  # how Python hands over the argv bytes ab\xffc
     one_line(code, err, "--prompt is not valid UTF-8 (byte 0xff at character 3); pass UTF-8 text", "generate")
-    assert time.perf_counter() - t < 5
     bad = files["prompts.jsonl"].parent / "latin1.jsonl"
     bad.write_bytes(json.dumps({"prompt": "w1"}).encode() + b"\n" + b'{"prompt": "caf\xe9"}\n')
     code, err = run(["bench", "--prompts", str(bad)], capsys)
@@ -128,16 +125,17 @@ def test_a_prompt_that_is_not_utf8_is_one_line_before_anything_loads(files, no_m
 
 
 def test_a_misspelt_model_name_names_the_embedded_one_without_retries(no_model, capsys, monkeypatch):
-    t = time.perf_counter()
+    looks: list[float] = []  # counted, not timed: a loaded host must not decide this test
+    monkeypatch.setattr("medusa_heads.default_model.hub_reachable", lambda timeout=3.0: looks.append(timeout) or False)
     code, err = run(["generate", "--prompt", "hi", "--model", "smollm2-135m-instrct"], capsys)
     one_line(code, err, "--model smollm2-135m-instrct: no such model; did you mean 'smollm2-135m-instruct'? "
                         "(the embedded models are 'smollm2-135m-instruct', 'gemma3-270m'", "generate")
-    monkeypatch.setattr("medusa_heads.default_model.hub_reachable", lambda timeout=3.0: False)
+    assert looks == []  # a typo of an embedded name: the hub is not asked
     code, err = run(["chat", "--model", "someone/some-model"], capsys)
     one_line(code, err, "--model someone/some-model: not a local directory nor an embedded name (the embedded models are "
                         "'smollm2-135m-instruct', 'gemma3-270m'), and the hub (", "chat")
     assert "cannot be reached from here, so it cannot be downloaded" in err
-    assert time.perf_counter() - t < 10  # one look, not the hub client's retries (~50 s)
+    assert looks == [3.0]  # one look with a short timeout, not the hub client's retries (~50 s)
 
 
 def test_the_hub_is_not_asked_when_offline_is_set(monkeypatch):
@@ -369,9 +367,8 @@ def test_help_prints_without_torch_and_lists_the_exit_codes():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "[]", done.stderr
-    t = time.perf_counter()
     done = subprocess.run([ENTRY_POINT, "--help"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and time.perf_counter() - t < 3
+    assert done.returncode == 0  # quick because torch is not imported (above), not timed: a loaded host is slow
     epilog = done.stdout.split("exit status:", 1)[1]
     for code in ("0    done", "1    a mistake found by a check", "2    a bad argument", "130  interrupted"):
         assert f"\n  {code}" in epilog
