@@ -91,7 +91,7 @@ def promises_exact(model: nn.Module) -> bool:
 def exactness_problem(target) -> str | None:
     """Why a tree's rows would not be this model's plain steps bit for bit (None: they are, as far as checked):
     its attention, its linears' kernels, or a probe on the model itself. For models that promise it (promises_exact)."""
-    from medusa_heads.inference import exact_attention
+    from medusa_heads.inference import exact_attention, int8
     from medusa_heads.inference.prepack import PackedLinear
 
     model = target.model
@@ -99,6 +99,8 @@ def exactness_problem(target) -> str | None:
                      "interface, so the row-exact attention cannot serve it")
     if model.dtype == torch.bfloat16 and not exact_attention.rows_invariant(torch.bfloat16):
         return "this CPU's bf16 products give a row other bits beside other rows"
+    if int8.is_int8(model) and not int8.int8_rows_invariant(model.dtype):
+        return "this CPU's int8 products are not exact integer sums, or give a row other bits beside other rows"
     if not getattr(model, "_supports_attention_backend", True):
         return own_attention
     if not exact_attention.uses_exact_attention(model):
@@ -136,7 +138,7 @@ def exactness_problem(target) -> str | None:
 
 def _probe(target) -> int:
     """How many rows of a 7-node tree (two branches) verified after a 12-token prefix differ from plain steps."""
-    from medusa_heads.inference.cache import crop_to, new_cache
+    from medusa_heads.engines.hf_cache import crop_to, new_cache
     from medusa_heads.tree.buffers import from_parents
 
     model = target.model
