@@ -133,13 +133,15 @@ def test_int8_greedy_is_its_plain_greedy(arch):
 
 @needs_int8
 def test_every_tree_row_of_the_real_model_is_its_plain_step():
+    """SmolLM2's int8 linears at their real sizes (the LM head's 49,152 rows included). Long contexts are the
+    attention's part, the same as in bf16: tests/test_exact.py checks them up to 1,024 tokens."""
     from medusa_heads import default_model_path
     from medusa_heads.inference.exact_attention import register
     from medusa_heads.loading import load_base
 
     base = load_base(default_model_path(), dtype=torch.bfloat16, attn_implementation=register(), prepack=False)
     quantize_linears(base)
-    rows = rows_that_differ(base, trees=3, seed=2, vocab=20000, contexts=(16, 300, 1024))
+    rows = rows_that_differ(base, trees=3, seed=2, vocab=20000, contexts=(16, 129, 300))
     assert rows.total >= 9
     assert_rows_keep_the_promise(rows, EXACT)
 
