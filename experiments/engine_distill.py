@@ -153,7 +153,7 @@ def main() -> None:
 
 
 def _cpu() -> str:
-    from medusa_heads.calibration.machine import cpu_name
+    from medusa_heads.machine import cpu_name
 
     return cpu_name()
 

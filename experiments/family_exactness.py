@@ -25,7 +25,7 @@ from conftest import randomize_heads  # noqa: E402
 from families import FAMILIES, tiny_family  # noqa: E402
 
 from medusa_heads import MedusaModel  # noqa: E402
-from medusa_heads.calibration.machine import cpu_name  # noqa: E402
+from medusa_heads.machine import cpu_name  # noqa: E402
 
 # families beyond the layer-type matrix: full attention each, some computing their attention themselves
 MORE = {"falcon": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}), "gpt2": ("gpt2", {}),

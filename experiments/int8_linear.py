@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from medusa_heads.calibration.machine import cpu_name
+from medusa_heads.machine import cpu_name
 from medusa_heads.inference.int8 import Int8Linear, quantize_rows
 
 SHAPES = {"q, o (576 → 576)": (576, 576), "k, v (576 → 192)": (192, 576), "gate, up (576 → 1536)": (1536, 576),

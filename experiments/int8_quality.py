@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from medusa_heads import MedusaModel
-from medusa_heads.calibration.machine import cpu_name
+from medusa_heads.machine import cpu_name
 from medusa_heads.corpus import read_conversations
 from medusa_heads.loading import load_tokenizer
 from medusa_heads.prompting import conversation_ids

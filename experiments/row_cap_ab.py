@@ -20,7 +20,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path
-from medusa_heads.calibration.machine import cpu_name
+from medusa_heads.machine import cpu_name
 from medusa_heads.inference.exactness import _products
 from medusa_heads.prompting import eos_ids, prompt_text, user_turn
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from medusa_heads import MedusaModel, default_model_path
-from medusa_heads.calibration.machine import cpu_name
+from medusa_heads.machine import cpu_name
 from medusa_heads.cli.commands import _read_prompts
 from medusa_heads.inference import int8, prepack
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from medusa_heads.calibration.machine import cpu_name
-from medusa_heads.inference.cache import crop_to, new_cache
-from medusa_heads.inference.verify import target_cache_kw
+from medusa_heads.machine import cpu_name
+from medusa_heads.engines.hf_cache import crop_to, new_cache
+from medusa_heads.engines.hf import target_cache_kw
 
 from siblings_ab import load  # noqa: E402  (experiments/ is the script's folder)
 

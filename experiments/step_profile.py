@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from medusa_heads import MedusaModel
-from medusa_heads.calibration.machine import cpu_name
-from medusa_heads.inference.cache import crop_to, new_cache
+from medusa_heads.machine import cpu_name
+from medusa_heads.engines.hf_cache import crop_to, new_cache
 from medusa_heads.inference.prepack import PackedLinear
-from medusa_heads.inference.verify import target_cache_kw
+from medusa_heads.engines.hf import target_cache_kw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from common import emit  # noqa: E402  scripts/common.py

@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from medusa_heads.tree.buffers import TreeBuffers
+from medusa_heads.tree.buffers import TreeBuffers, from_parents
 from medusa_heads.inference.accept import accept_choices
-from medusa_heads.inference.cache import keep_accepted, new_cache
 from medusa_heads.inference.propose import Draft
 from medusa_heads.inference.sampling import process_tree
-from medusa_heads.inference.verify import Target, TargetOutput
+from medusa_heads.engines.base import Engine, Session, TargetOutput
 
 if TYPE_CHECKING:
     from medusa_heads.inference.plan import DecodePlan
@@ -62,8 +61,7 @@ class DecodeStats:
 class DecodeState:
     sequence: torch.Tensor  # (capacity,) prompt then new tokens
     length: int  # valid entries of sequence; the last is the root, not yet in the cache
-    past: int  # entries in the KV cache
-    hidden: torch.Tensor  # (H,) LM-head input at the last cached token
+    hidden: torch.Tensor | None  # (H,) LM-head input at the last cached token (None: the engine gave none)
     new_tokens: int = 0
     done: bool = False
 
@@ -99,11 +97,10 @@ def accept_tree(rule: AcceptRule, tree: torch.Tensor, buffers: TreeBuffers, out:
 
 
 class _Rows(Protocol):
-    """What the decode loop needs of its rows: one sequence or a left-padded batch (inference/batch.py)."""
+    """What the decode loop needs of its rows: one sequence (_OneRow) or a batch (engines/base.BatchRows)."""
 
-    states: list[DecodeState]
-
-    def verify(self, running: list[int], drafts: list[Draft], greedy: bool) -> list[tuple[torch.Tensor, TargetOutput]]:
+    def verify(self, running: list[int], roots: list[torch.Tensor], drafts: list[Draft],
+               greedy: bool) -> list[tuple[torch.Tensor, TargetOutput]]:
         """One target forward over the running rows' trees: each one's tree tokens (root first) and its output."""
         ...
 
@@ -112,21 +109,27 @@ class _Rows(Protocol):
         ...
 
 
-def run(rows: _Rows, plan: "DecodePlan", max_new_tokens: int, eos: set[int], stats: DecodeStats, stopping=None,
-        on_emit=None) -> None:
+def run(rows: _Rows, states: list[DecodeState], plan: "DecodePlan", max_new_tokens: int, eos: set[int],
+        stats: DecodeStats, stopping=None, on_emit=None) -> None:
     """The decode loop, for one row and a batch alike: propose -> verify -> accept -> commit until every row is
     done. `on_emit(tokens)`: called with each step's new tokens of a single row (a streamer)."""
-    clock, states = time.perf_counter, rows.states
+    clock = time.perf_counter
     drafter, buffers, rule, processors = plan.drafter, plan.buffers, plan.rule, plan.processors
+    root_alone = from_parents((-1,), buffers.mask.device)
     while not all(s.done for s in states):
         # 1. propose: the drafter chooses each running row's tree below its root and drafts it
         t0 = clock()
         running = [b for b, s in enumerate(states) if not s.done]
-        drafts = drafter.draft(torch.stack([states[b].hidden for b in running]),
-                               [states[b].sequence[: states[b].length] for b in running], buffers)
+        drafted = all(states[b].hidden is not None for b in running)
+        if drafted:
+            drafts = drafter.draft(torch.stack([states[b].hidden for b in running]),
+                                   [states[b].sequence[: states[b].length] for b in running], buffers)
+        else:  # an engine that hands over no hidden state with its prefill: the roots alone, once
+            drafts = [Draft(states[b].sequence[:0], root_alone) for b in running]
         # 2. verify: one target forward over root + nodes of every running row
         t1 = clock()
-        verified = rows.verify(running, drafts, plan.greedy)
+        roots = [s.sequence[s.length - 1] for s in states]
+        verified = rows.verify(running, roots, drafts, plan.greedy)
         # 3. accept: each row's longest path the target agrees with, plus the target's own next token
         t2 = clock()
         accepted, keeps, emitted = [], [], 0
@@ -141,7 +144,8 @@ def run(rows: _Rows, plan: "DecodePlan", max_new_tokens: int, eos: set[int], sta
             stats.tree_sizes.append(step.size - 1)
             if on_emit is not None:
                 on_emit(chunk)
-        drafter.update(accepted)
+        if drafted:
+            drafter.update(accepted)
         # 4. commit: the cache keeps root + emitted nodes
         t3 = clock()
         rows.commit(running, keeps)
@@ -153,49 +157,48 @@ def run(rows: _Rows, plan: "DecodePlan", max_new_tokens: int, eos: set[int], sta
 
 
 class _OneRow:
-    """One sequence: its tree verified at its own position, the cache kept in place (keep_accepted)."""
+    """One sequence on an engine's session: its tree verified at its own position, cut back to the accepted path."""
 
-    def __init__(self, target: Target, cache, state: DecodeState) -> None:
-        self.target, self.cache, self.states = target, cache, [state]
+    def __init__(self, session: Session) -> None:
+        self.session = session
 
-    def verify(self, running, drafts, greedy):
-        state, (drafted, step) = self.states[0], drafts[0]
-        tree = torch.cat([state.sequence[state.length - 1 : state.length], drafted])
-        return [(tree, self.target.verify(tree, state.past, self.cache, step, greedy=greedy))]
+    def verify(self, running, roots, drafts, greedy):
+        drafted, buffers = drafts[0]
+        tree = torch.cat([roots[0][None], drafted])
+        return [(tree, self.session.verify(tree, buffers, greedy))]
 
     def commit(self, running, keeps):
-        state = self.states[0]
-        keep_accepted(self.cache, state.past, keeps[0])
-        state.past += keeps[0].shape[0]
+        self.session.commit(keeps[0])
 
 
 @torch.no_grad()
-def decode(target: Target, plan: "DecodePlan", input_ids: torch.Tensor, max_new_tokens: int, eos: set[int],
-           streamer=None, cache=None, stopping=None) -> tuple[torch.Tensor, DecodeStats]:
-    """input_ids: (1, L). Returns ((1, L + new) tokens, stats). `cache`: an empty cache to fill (default: new).
-    `stopping`: a transformers StoppingCriteriaList."""
+def decode(engine: Engine, plan: "DecodePlan", input_ids: torch.Tensor, max_new_tokens: int, eos: set[int],
+           streamer=None, stopping=None) -> tuple[torch.Tensor, DecodeStats]:
+    """input_ids: (1, L). Returns ((1, L + new) tokens, stats). `stopping`: a transformers StoppingCriteriaList."""
     stats, clock = DecodeStats(), time.perf_counter
     prompt_len = input_ids.shape[1]
-    capacity = prompt_len + max_new_tokens + plan.max_size  # past the plan's largest tree the cache grows
-    cache = new_cache(target.model, capacity) if cache is None else cache
     sequence = torch.empty(prompt_len + max_new_tokens, dtype=torch.long, device=input_ids.device)
     sequence[:prompt_len] = input_ids[0]
     on_emit = None if streamer is None else (lambda chunk: streamer.put(torch.tensor(chunk)))
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    t0 = clock()
-    out = target.prefill(input_ids, cache)
-    logits = plan.processors(input_ids, out.logits[-1:].float()) if plan.processors else out.logits[-1:]
-    state = DecodeState(sequence, prompt_len, prompt_len, out.hidden[-1])
-    chunk = emit(state, [plan.rule.first(logits)], max_new_tokens, eos, stopping)
-    stats.tokens_per_step.append(len(chunk))
-    stats.rows_per_step.append(1)
-    stats.seconds["prefill"] += clock() - t0
-    if on_emit is not None:
-        on_emit(chunk)
-
-    run(_OneRow(target, cache, state), plan, max_new_tokens, eos, stats, stopping, on_emit)
+    # past the plan's largest tree the cache grows
+    session = engine.session(prompt_len + max_new_tokens + plan.max_size)
+    try:
+        t0 = clock()
+        out = session.prefill(input_ids)
+        logits = plan.processors(input_ids, out.logits[-1:].float()) if plan.processors else out.logits[-1:]
+        state = DecodeState(sequence, prompt_len, None if out.hidden is None else out.hidden[-1])
+        chunk = emit(state, [plan.rule.first(logits)], max_new_tokens, eos, stopping)
+        stats.tokens_per_step.append(len(chunk))
+        stats.rows_per_step.append(1)
+        stats.seconds["prefill"] += clock() - t0
+        if on_emit is not None:
+            on_emit(chunk)
+        run(_OneRow(session), [state], plan, max_new_tokens, eos, stats, stopping, on_emit)
+    finally:
+        session.close()
     if streamer is not None:
         streamer.end()
     return state.sequence[None, : state.length].clone(), stats

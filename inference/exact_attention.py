@@ -31,7 +31,7 @@ import threading
 import torch
 from torch import nn
 
-from medusa_heads.inference.cache import FREE_TAIL
+from medusa_heads.engines.hf_cache import FREE_TAIL
 
 NAME = "medusa_exact"
 WIDTH = 64  # products and softmax run over a multiple of this many keys (masked, zero padding at the end)
@@ -126,7 +126,7 @@ def _row_values(values: torch.Tensor, order: torch.Tensor, shared: int, t: int) 
 
 def _padded(value: torch.Tensor, width: int) -> torch.Tensor:
     """value (B, H, N, D) with zeros up to `width` keys: in place where it is a view of a preallocated cache layer's
-    buffer with room (inference/cache.py: the slots past its length are free), else a padded copy."""
+    buffer with room (medusa_heads/engines/hf_cache.py: the slots past its length are free), else a padded copy."""
     n = value.shape[2]
     if width == n:
         return value

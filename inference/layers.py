@@ -1,6 +1,6 @@
 """The target's attention layer types, as transformers reads them from the config, and the masks a tree needs for each.
 
-Every layer keeps its whole history in our cache (inference/cache.py), so keeping a tree's accepted path is the same
+Every layer keeps its whole history in our cache (medusa_heads/engines/hf_cache.py), so keeping a tree's accepted path is the same
 cut for every layer; a sliding-window or chunked layer sees only part of that history, which is what its mask says.
 Masks are built in *position* space (a key's position against the query's), not in cache slots: a tree node sits at
 position past + depth whatever its slot, and a batch's rows leave stale slots between their ends. One table below

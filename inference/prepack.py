@@ -16,6 +16,8 @@ import threading
 import torch
 from torch import nn
 
+from medusa_heads.machine import is_intel
+
 
 def prepack_supported() -> bool:
     """oneDNN's packed linear ops exist in this PyTorch build (x86 and aarch64 CPU builds have them)."""
@@ -124,9 +126,7 @@ def mkl_packs() -> bool:
     available = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
     if choice or not available:
         return choice == "mkl" and available
-    from medusa_heads.calibration.machine import cpuinfo
-
-    return cpuinfo("vendor_id") == "GenuineIntel"
+    return is_intel()
 
 
 # Linears of one module that read one input, by the names decoder layers give them: attention's q, k and v, the

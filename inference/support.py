@@ -5,8 +5,8 @@ import torch
 
 from medusa_heads.tree.buffers import build_buffers
 from medusa_heads.tree.spec import TreeSpec
-from medusa_heads.inference.cache import keep_accepted, new_cache
-from medusa_heads.inference.verify import Target
+from medusa_heads.engines.hf_cache import keep_accepted, new_cache
+from medusa_heads.engines.hf import Target
 
 _UNSUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 

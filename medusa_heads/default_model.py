@@ -68,6 +68,23 @@ def _assemble(name: str, scratch: Path) -> Path:
                                 f"({e}); reinstall with {entry.install_hint}") from e
 
 
+def shipped_gguf(name: str = DEFAULT_MODEL) -> Path:
+    """The GGUF file embedded model `name` ships (SmolLM2: Q4_1; Gemma 3 270M: Q4_K_M), the way llama.cpp users have
+    it; a chunked one is assembled once under cache_dir()/name."""
+    entry = EMBEDDED[name]
+    if not entry.chunked:
+        return _gguf_dir(name) / entry.gguf_file
+    target = cache_dir() / name / entry.gguf_file
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}.gguf."))
+        try:
+            os.replace(_assemble(name, scratch), target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
 def default_model_path() -> Path:
     """Local HF directory (safetensors + tokenizer) of the default model; dequantises the GGUF on first use."""
     return embedded_model_path(DEFAULT_MODEL)

@@ -18,10 +18,12 @@ import urllib.request
 from pathlib import Path
 
 from medusa_heads.default_model import cache_dir
+from medusa_heads.machine import cpu_flags
 from medusa_heads.local_server import LocalServer, free_port
 
 VERSION = "0.3.36"  # llama-cpp-python, the llama.cpp it vendors included; what the bench is pinned to
-WEIGHTS = ("f32", "bf16", "q8_0")
+WEIGHTS = ("f32", "bf16", "q8_0", "q4_1", "q4_k_m")
+QUANTIZED = {"bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0", "q4_1": "MOSTLY_Q4_1", "q4_k_m": "MOSTLY_Q4_K_M"}
 # llama.cpp's n-gram self-speculation modes (common/speculative.cpp), each with the settings its server gets:
 # llama.cpp's defaults look up 12-token n-grams (made for edits of long documents), which never match in a chat
 # answer, so the map modes look up 3 tokens and draft up to 10, like transformers' prompt lookup.
@@ -32,7 +34,13 @@ NGRAM_MODES = {
     "ngram-mod": [],
     "ngram-cache": [],
 }
-METHODS = tuple(f"llamacpp-{w}" for w in WEIGHTS) + tuple(f"llamacpp-{m}" for m in NGRAM_MODES)
+NGRAM_WEIGHTS = ("f32", "bf16", "q8_0")  # weights its n-gram modes run at besides F32: "llamacpp-q8_0-ngram-simple"
+# plain decoding at each weight type; n-gram self-speculation (F32: "llamacpp-ngram-simple"; other weights:
+# "llamacpp-q8_0-ngram-simple"); and the heads on llama.cpp ("medusa-llamacpp-q8_0", engines/llamacpp.py)
+METHODS = (tuple(f"llamacpp-{w}" for w in WEIGHTS) + tuple(f"llamacpp-{m}" for m in NGRAM_MODES)
+           + tuple(f"llamacpp-{w}-{m}" for w in NGRAM_WEIGHTS[1:] for m in NGRAM_MODES)
+           + tuple(f"medusa-llamacpp-{w}" for w in WEIGHTS))
+FLASH_ATTENTION = True  # llama.cpp's flash attention, in its plain decoding and under the heads alike (it changes bits)
 BUILD_MINUTES = 9  # both builds on two cores, about
 
 
@@ -45,30 +53,41 @@ def home() -> Path:
 
 
 def expand(methods: list[str]) -> list[str]:
-    """"llamacpp" stands for every llama.cpp method; "llamacpp-ngram" for the n-gram modes."""
+    """"llamacpp" stands for llama.cpp's plain decoding at F32, BF16 and Q8_0 and its F32 n-gram modes;
+    "llamacpp-ngram" for the n-gram modes; "medusa-llamacpp" for the heads on llama.cpp at every weight type."""
     out = []
     for m in methods:
         if m == "llamacpp":
-            out += METHODS
+            out += [f"llamacpp-{w}" for w in NGRAM_WEIGHTS] + [f"llamacpp-{n}" for n in NGRAM_MODES]
         elif m == "llamacpp-ngram":
             out += [f"llamacpp-{n}" for n in NGRAM_MODES]
+        elif m == "medusa-llamacpp":
+            out += [f"medusa-llamacpp-{w}" for w in WEIGHTS]
         else:
             out.append(m)
     return out
 
 
+def split_method(method: str) -> tuple[str, str | None, bool]:
+    """A llama.cpp method -> (its weights, its n-gram mode or None, whether the heads draft for it)."""
+    heads = method.startswith("medusa-llamacpp-")
+    kind = method.removeprefix("medusa-llamacpp-" if heads else "llamacpp-")
+    if kind in NGRAM_MODES:
+        return "f32", kind, False
+    weights, _, mode = kind.partition("-")
+    return weights, mode or None, heads
+
+
 def plain_reference(method: str) -> str | None:
-    """The plain decoding a llama.cpp n-gram method must reproduce token for token (its F32 weights)."""
-    return "llamacpp-f32" if method.removeprefix("llamacpp-") in NGRAM_MODES else None
+    """The plain llama.cpp decoding a speculative llama.cpp method must reproduce token for token (its own weights'):
+    an n-gram mode's, or the heads' on llama.cpp."""
+    if method not in METHODS:
+        return None
+    weights, mode, heads = split_method(method)
+    return f"llamacpp-{weights}" if mode or heads else None
 
 
 # --- the build -----------------------------------------------------------------------------------------------------
-
-def cpu_flags() -> set[str]:
-    from medusa_heads.calibration.machine import cpuinfo
-
-    return set((cpuinfo("flags") or "").split())
-
 
 def cmake_args(flags: set[str] | None = None) -> list[str]:
     """ggml's CPU options for this CPU, named rather than -march=native: a native build on some of these VMs dies
@@ -218,7 +237,7 @@ def gguf(folder: Path, weights: str) -> Path:
         llama_cpp = python_binding()
         f32 = gguf(folder, "f32")
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = {"bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[weights]
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{QUANTIZED[weights]}")
         params.nthread = os.cpu_count() or 2
         print(f"llamacpp: quantizing to {weights.upper()} with llama.cpp's quantizer", file=sys.stderr)
         if llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), params) != 0:
@@ -226,6 +245,17 @@ def gguf(folder: Path, weights: str) -> Path:
             raise LlamaCppError(f"llama.cpp's quantizer could not make {weights.upper()} from {f32}")
     tmp.rename(out)
     return out
+
+
+def file_weights(path: Path) -> str:
+    """A GGUF file's weight type as WEIGHTS names it ("q4_k_m"), from its general.file_type; its name otherwise."""
+    import gguf as gguf_py
+
+    field = gguf_py.GGUFReader(path).get_field("general.file_type")
+    if field is None:
+        return "unknown"
+    name = gguf_py.LlamaFileType(int(field.contents())).name  # "MOSTLY_Q4_K_M", "ALL_F32"
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
 
 
 # --- decoding ------------------------------------------------------------------------------------------------------
@@ -236,7 +266,7 @@ class Plain:
     def __init__(self, path: Path, threads: int, n_ctx: int = 4096) -> None:
         llama_cpp = python_binding()
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   n_batch=512, verbose=False)
+                                   n_batch=512, flash_attn=FLASH_ATTENTION, verbose=False)
         self.eog = lambda t: bool(llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, t))
 
     def generate(self, ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> tuple[list[int], int]:
@@ -262,7 +292,8 @@ class Server:
         self.port = free_port()
         self.log = home() / f"server-{mode}.log"
         cmd = [str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(n_ctx),
-               "-t", str(threads), "-tb", str(threads), "-np", "1", "--no-webui", "--spec-type", mode,
+               "-t", str(threads), "-tb", str(threads), "-np", "1", "--no-webui",
+               "--flash-attn", "on" if FLASH_ATTENTION else "off", "--spec-type", mode,
                *NGRAM_MODES[mode]]
         self._server = LocalServer(cmd, self.port, self.log, f"llama.cpp's server ({mode})", LlamaCppError)
         self._server.start(timeout=120)

@@ -11,8 +11,14 @@ from medusa_heads.default_model import DEFAULT_MODEL, check_model_name, resolve_
 from medusa_heads.inference.prepack import packs, prepack_linears
 
 
+def is_gguf(name: str | os.PathLike) -> bool:
+    return str(name).endswith(".gguf") and Path(name).is_file()
+
+
 def source(name: str | os.PathLike) -> str | Path:
-    """The default model's name -> its converted directory; anything else, checked, as given."""
+    """The default model's name -> its converted directory; a GGUF file as it is; anything else, checked, as given."""
+    if is_gguf(name):
+        return Path(name)
     check_model_name(name)
     return resolve_model(str(name))
 
@@ -22,8 +28,11 @@ def load_base(name: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = t
     """A causal LM by name (the embedded default's, a local directory or a hub id), in eval mode, frozen unless
     `frozen=False` (joint training adapts it). prepack: run its linears through oneDNN (inference/prepack.py);
     None = on when it lands on a CPU that packs its dtype (`packs`). kwargs go to AutoModelForCausalLM.from_pretrained."""
+    where = source(name)
+    if is_gguf(name):  # dequantised by transformers' GGUF loader
+        where, kwargs = Path(name).parent, {**kwargs, "gguf_file": Path(name).name}
     try:
-        model = AutoModelForCausalLM.from_pretrained(source(name), dtype=dtype, **kwargs).eval()
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
     except OSError as e:  # transformers' "is not a local folder and is not a valid model identifier ..."
         raise FileNotFoundError(f"cannot load a model from {str(name)!r}: give a model directory saved by "
                                 f"transformers, a hub id, or {DEFAULT_MODEL!r} ({e.__class__.__name__}: "
@@ -38,4 +47,6 @@ def load_base(name: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = t
 
 
 def load_tokenizer(name: str | os.PathLike = DEFAULT_MODEL):
+    if is_gguf(name):
+        return AutoTokenizer.from_pretrained(Path(name).parent, gguf_file=Path(name).name)
     return AutoTokenizer.from_pretrained(source(name))

@@ -25,18 +25,18 @@ from medusa_heads.inference.decode import DecodeStats, decode
 from medusa_heads.inference.exactness import exactness_problem, has_attention_sinks, promises_exact
 from medusa_heads.inference.exact_attention import register as register_exact_attention, rows_invariant, uses_exact_attention
 from medusa_heads.inference.int8 import int8_rows_invariant, int8_supported, quantize_linears
-from medusa_heads.inference.plan import ADAPTIVE, check_tree, make_plan, tree_buffers
+from medusa_heads.inference.plan import ADAPTIVE, Drafting, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
 from medusa_heads.inference.support import check_tree_attention
-from medusa_heads.inference.verify import Target
+from medusa_heads.engines.base import Engine
+from medusa_heads.engines.hf import Target
+from medusa_heads.engines.llamacpp import open_gguf
 from medusa_heads.default_model import DEFAULT_MODEL, default_heads_path
 from medusa_heads import prompting
 from medusa_heads.loading import load_base
 from medusa_heads.tree import TreeSpec, TreeBuffers, load_tree
-from medusa_heads.tree.adaptive import (
-    Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, cost_key, find_cost, kernels_key,
-)
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance
 from medusa_heads.tree.ngrams import NgramStore
 
 # GenerationConfig fields generate() honours; any other field set away from its default raises.
@@ -57,23 +57,26 @@ class MedusaGenerateOutput:
 
 class MedusaModel(nn.Module):
     def __init__(self, base_model: PreTrainedModel, heads: MedusaHeads,
-                 tree: str | Sequence[Sequence[int]] | TreeSpec | None = None, phrases: NgramStore | None = None) -> None:
+                 tree: str | Sequence[Sequence[int]] | TreeSpec | None = None, phrases: NgramStore | None = None,
+                 engine: Engine | None = None) -> None:
         super().__init__()
         self.base_model = base_model
         self.heads = heads
         self.config = heads.config
         self.phrases = phrases  # the target's phrasebook (tree/ngrams.py): drafts beside the heads where calibrated
         self.target = Target(base_model)
-        check_tree_attention(self.target)
+        self.engine: Engine = self.target if engine is None else engine  # what runs the target's forwards
         # greedy output is the model's plain decoding bit for bit, checked on this model (bf16 or int8 on a CPU)
         self.exact = False
-        if promises_exact(base_model):
+        if self.engine is self.target:  # the 4D-mask probe; llama.cpp masks by sequences (engines/llamacpp.py)
+            check_tree_attention(self.target)
+        if self.engine is self.target and promises_exact(base_model):
             problem = exactness_problem(self.target)
             self.exact = problem is None
             if problem:
                 warnings.warn(f"{type(base_model).__name__}: greedy output may leave this model's plain decoding at "
                               f"near-ties of the top two tokens: {problem}", UserWarning, stacklevel=3)
-        self._adaptive_parts = None  # (kernels key, config.adaptive, its parsed parts) last asked about
+        self._drafting: dict[tuple, tuple] = {}  # (kernels, threads) -> (config.adaptive read, its parts, origin)
         self.tree = self._configured_tree()  # the heads' fixed tree: what a call drafts when no per-step tree can be
         # what a call drafts when it names no tree: "adaptive" where the heads were calibrated for these kernels
         self.default_tree = ADAPTIVE if tree is None and self.cost_model() is not None else self.tree
@@ -95,34 +98,46 @@ class MedusaModel(nn.Module):
         """The fixed tree's buffers on the model's device."""
         return tree_buffers(self.tree, self.base_model.device)
 
-    def _adaptive_config(self) -> tuple | None:
-        """(acceptance, lookup table, cost model) stored for the kernels this model's verify runs on now (on this
-        hardware where measured there: tree.adaptive.find_cost), parsed again only when the kernels
-        (stock_kernels()) or config.adaptive change; None if not calibrated for them."""
-        key = (cost_key(self.base_model, is_prepacked(self.base_model)), torch.get_num_threads())
+    def drafting(self) -> Drafting:
+        """What a call's plan reads of these heads on the engine that runs them (inference/plan.Drafting): the
+        stored per-step tree's parts for the engine's kernels, parsed once per kernel key (stock_kernels() changes
+        them) and again when config.adaptive changes."""
+        return Drafting(self.heads, self.tree, self.default_tree, self.engine.kernels(), self.config.lookup_tokens,
+                        self.config.lookup_branches, **self._stored_parts()[1])
+
+    def _stored_parts(self) -> tuple[dict, dict, str | None]:
+        """(config.adaptive as read, its parts for the engine's kernels, which table), read once per kernels."""
+        key = (self.engine.kernels(), torch.get_num_threads())
         stored = self.config.adaptive or {}
-        if self._adaptive_parts is None or self._adaptive_parts[:2] != (key, stored):
-            found = find_cost(stored.get("cost", {}), self.base_model, is_prepacked(self.base_model))
-            parts, origin = None, None
-            if found and "acceptance" in stored:
-                lookup = LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None
-                # timed on another machine (calibration/machine.py): this one's, timed once and cached
-                cost, origin = local_cost(self, found, stored["cost"][found], CostModel.from_dict(stored["cost"][found]))
-                parts = (Acceptance.from_dict(stored["acceptance"]), lookup, cost)
-            self._adaptive_parts = (key, copy.deepcopy(stored), parts, found if parts else None, origin)
-        return self._adaptive_parts[2]
+        found = self._drafting.get(key)
+        if found is None or found[0] != stored:
+            found = (copy.deepcopy(stored), *self._adaptive_parts(stored))
+            self._drafting[key] = found  # one assignment of a whole entry: safe with many threads
+        return found
+
+    def _adaptive_parts(self, stored: dict) -> tuple[dict, str | None]:
+        """(the per-step tree's parts stored for the engine's kernels, which table and where it came from)."""
+        found = self.engine.find_cost(stored.get("cost", {}))
+        if not found or "acceptance" not in stored:
+            return {}, None
+        cost, origin = CostModel.from_dict(stored["cost"][found]), None
+        if self.engine is self.target:  # timed on another machine (calibration/machine.py): this one's, cached
+            cost, origin = local_cost(self, found, stored["cost"][found], cost)
+        phrases = self.phrases if "ngrams" in stored else None
+        return {"acceptance": Acceptance.from_dict(stored["acceptance"]), "cost": cost,
+                "lookup": LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None,
+                "phrases": phrases,
+                "phrase_acceptance": PhraseAcceptance.from_dict(stored["ngrams"]) if phrases is not None else None,
+                }, found if origin in (None, "stored") else f"{found} (this machine's: {origin})"
 
     def cost_model(self) -> CostModel | None:
         """The stored cost model for the kernels this model's verify runs on, if the heads were calibrated for them."""
-        parts = self._adaptive_config()
-        return parts[2] if parts else None
+        return self._stored_parts()[1].get("cost")
 
     def cost_model_key(self) -> str | None:
         """Which stored cost model that is ("prepacked-float32-cpu-avx512"), and, where it was timed on another
         machine, where this machine's came from (" (this machine's: measured)", "cached", "measured, not cached")."""
-        self._adaptive_config()
-        key, origin = self._adaptive_parts[3], self._adaptive_parts[4]
-        return key if key is None or origin in (None, "stored") else f"{key} (this machine's: {origin})"
+        return self._stored_parts()[2]
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -142,101 +157,43 @@ class MedusaModel(nn.Module):
         prepack: bool | None = None,
         draft_dtype: torch.dtype | None = None,
         quantize: str | None = None,
+        gguf: str | os.PathLike | None = None,
+        threads: int | None = None,
         **base_kwargs,
     ) -> "MedusaModel":
-        """base: the default model's name, a local HF directory, a hub id, or a loaded model.
-        heads: a heads directory; None for new (untrained) heads (num_heads, num_layers, mlp_size, own_lm_head,
-        condition, draft_vocab shape them: see MedusaConfig); "auto" for the shipped heads when their
-        base fingerprint matches this base (the default model), new heads otherwise. tree: the default of calls
-        that name none (see set_tree; default: "adaptive" where the heads were calibrated for this model's kernels,
-        else the heads' own fixed tree); generate(..., tree=) chooses per call.
-        prepack: run the base's nn.Linear layers through oneDNN with prepacked weights (CPU, fp32 or bf16; see
-        inference/prepack.py): faster plain decoding and a nearly flat verify cost up to ~16 tree tokens. It swaps
-        the modules of `base` in place, so `base.generate` runs on the same kernels. Loaded heads are packed too
-        (drafting is a few rows per level, where the stock kernels are slowest); new heads (heads=None) are not.
-        Default (None): on when this call loads the base itself onto the CPU, off for a model passed in. Loaded heads
-        on a CPU are packed either way: they are this library's, not the caller's.
-        A bf16 base that this call loads onto a CPU whose bf16 products give a row the same bits whatever the rows
-        beside it gets the row-exact attention (inference/exact_attention.py) unless base_kwargs name another
-        attn_implementation: greedy output is then its plain greedy decoding (`generate` on that model) token for
-        token. For a bf16 model passed in, `use_exact_attention(model)` does the same.
-        draft_dtype: the dtype the loaded heads draft in. Default (None): bf16 on a CPU with oneDNN bf16 kernels
-        (a drafting level is memory-bound: half the bytes, ~30% less drafting time, the same drafts but for rare
-        near-ties), else the base's dtype. New heads (heads=None) keep the base's dtype, for training. Output is the
-        target's whatever the heads' dtype.
-        quantize: "int8" runs the base's linears, LM head included, through oneDNN's int8 GEMM with weights quantised
-        per channel and each token's activations in two int8 levels (inference/int8.py, CPU only). Integer sums make its rows exact, so
-        greedy output is this int8 model's own plain greedy decoding token for token (with the row-exact attention,
-        which a base this call loads gets: it loads in bf16 unless base_kwargs give a dtype, or the CPU has no bf16
-        kernels). It replaces prepack. A model passed in is quantised in place, so `base.generate` runs it too."""
-        if quantize not in (None, "int8"):
-            raise ValueError(f"quantize={quantize!r}: the one quantisation is 'int8' (None: the base's own dtype)")
-        if quantize and not int8_supported():
-            raise ValueError("quantize='int8' needs oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise), which "
-                             "this PyTorch build lacks: load the model in bf16 or fp32 instead")
-        if quantize and not isinstance(base, PreTrainedModel) and "dtype" not in base_kwargs and "torch_dtype" not in base_kwargs:
-            base_kwargs["dtype"] = torch.bfloat16 if bf16_supported() else torch.float32
+        """Heads on a causal LM, ready to generate (docs/how-it-works.md has what each option does and why).
+        base: the default model's name, a local HF directory, a hub id, a .gguf file or a loaded model.
+        heads: a heads directory; "auto" for the shipped heads where they were trained for this base (else new
+        heads, with a warning); None for new heads, shaped by num_heads .. draft_vocab (MedusaConfig).
+        tree: the default tree of calls that name none (set_tree); generate(..., tree=) chooses per call.
+        prepack: the base's linears on packed CPU kernels (default: where this call loads the base onto a CPU);
+        loaded heads are packed on a CPU either way. draft_dtype: the heads' dtype (default: bf16 on a CPU with bf16
+        kernels). quantize="int8": the base's linears on oneDNN's int8 GEMM (CPU). A bf16 or int8 base this call
+        loads gets the row-exact attention where this CPU's products allow it; `model.exact` says what was checked.
+        gguf: the target on llama.cpp: a GGUF file of this base, or a weight type (f32, bf16, q8_0, q4_1, q4_k_m)
+        converted from the base's folder once; threads: llama.cpp's threads (default: torch's)."""
+        if gguf is None and not isinstance(base, PreTrainedModel) and str(base).endswith(".gguf"):
+            gguf = base
+        _check_kernels_asked(quantize, gguf)
         if not isinstance(base, PreTrainedModel):
-            base_kwargs = exact_attention_kwargs(base, base_kwargs)
-            base = load_base(base, prepack=False, **base_kwargs)  # packed below, after an adapter is merged
-            if uses_exact_attention(base) and has_attention_sinks(base):  # GPT-OSS: eager takes its sinks; ours does not
-                base.set_attn_implementation("eager")
-            if prepack is None:
-                prepack = base.device.type == "cpu" and packs(base.dtype)
+            base, prepack = _load_base(base, quantize, prepack, gguf, base_kwargs)
         fingerprint = base_fingerprint(base)  # hashes the whole LM head: once per load
-        config = None
-        if heads == "auto":  # the shipped heads when they were trained for this very base, else new heads
-            heads, config = _shipped_heads_for(base, fingerprint)
-            if heads is None:
-                warnings.warn(f"no shipped heads were trained for {base.name_or_path or type(base).__name__}: drafting "
-                              "with new, untrained heads (output is exact, but no faster). Train heads for it "
-                              "(medusa-heads distill, then train) and pass heads=DIR, or heads=None for new heads "
-                              "without this warning.", UserWarning, stacklevel=2)
-        elif heads is not None and not is_reference_dir(heads):
-            config = load_config(heads)
-            check_fingerprint(config, base, allow_base_mismatch, fingerprint)
+        heads, config = _heads_config(base, heads, fingerprint, allow_base_mismatch)
         if config is not None and (Path(heads) / "adapter" / "adapter_config.json").is_file():
             base = _merge_adapter(base, Path(heads))
         base.eval()
         base.requires_grad_(False)
-        if quantize:
-            if base.device.type != "cpu":
-                raise ValueError(f"quantize='int8' runs on a CPU; this base is on {base.device}: leave out quantize")
-            quantize_linears(base)
-            if not int8_rows_invariant(base.dtype):
-                warnings.warn("quantize='int8': this CPU's int8 products are not exact integer sums (checked: "
-                              "int8_rows_invariant), so greedy output may leave the int8 model's plain decoding at "
-                              "near-ties of the top two tokens", UserWarning, stacklevel=2)
-        elif prepack:
-            prepack_linears(base)
-        lm_weight = base.get_output_embeddings().weight
-        embed_weight = base.get_input_embeddings().weight
+        _set_kernels(base, quantize, prepack)
+        shape = dict(num_heads=num_heads, num_layers=num_layers, mlp_size=mlp_size, own_lm_head=own_lm_head,
+                     condition=condition, draft_vocab=list(draft_vocab) if draft_vocab is not None else None)
+        medusa_heads, phrases = _build_heads(base, heads, config, fingerprint, draft_dtype, shape)
+        engine = open_gguf(base, gguf, threads) if gguf is not None else None
+        return cls(base, medusa_heads, tree, phrases, engine)
 
-        phrases = None  # the phrasebook saved beside loaded heads (ngrams.safetensors), if any
-        if heads is None:
-            config = MedusaConfig(
-                num_heads=num_heads,
-                num_layers=num_layers,
-                mlp_size=mlp_size,
-                hidden_size=lm_weight.shape[1],
-                vocab_size=lm_weight.shape[0],
-                own_lm_head=own_lm_head,
-                condition=condition,
-                draft_vocab=list(draft_vocab) if draft_vocab is not None else None,
-                base_fingerprint=fingerprint,
-            )
-            medusa_heads = MedusaHeads(config, lm_weight, embed_weight)
-        elif config is None:  # saved by the reference Medusa code
-            medusa_heads = load_reference(heads, lm_weight)
-        else:
-            medusa_heads = load_heads(heads, lm_weight, config, embed_weight)
-            phrases = load_ngrams(heads, config.vocab_size)
-        medusa_heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
-        if heads is not None:  # trained heads draft in their own dtype, through oneDNN on a CPU (new heads train)
-            medusa_heads.cast(draft_dtype or _draft_dtype(lm_weight))
-            if lm_weight.device.type == "cpu" and prepack_supported():
-                prepack_heads(medusa_heads)
-        return cls(base, medusa_heads, tree, phrases)
+    def on_engine(self, engine: Engine) -> "MedusaModel":
+        """These heads (shared, not copied) on another engine that runs the same model, e.g. its GGUF on llama.cpp
+        (engines/llamacpp.open_gguf); its default tree follows the heads' calibration for that engine's kernels."""
+        return type(self)(self.base_model, self.heads, None, self.phrases, engine)
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Heads only: config.json + heads.safetensors, in the heads' dtype now (loaded heads draft in bf16 on a
@@ -249,23 +206,13 @@ class MedusaModel(nn.Module):
 
     def adaptive_drafter(self, lookup: int, ngram: int = MAX_NGRAM, rows: int = 1, greedy: bool = False,
                          observer: DraftObserver | None = None) -> AdaptiveDrafter:
-        """The per-step drafter for one call (it learns from the call's own acceptance) of `rows` rows, with `lookup`
-        prompt-lookup tokens. greedy: the call's verifies hand over argmaxes through the screen, so its steps are
-        sized by the greedy cost (CostModel.greedy). observer: sees its steps (inference.adaptive.DraftObserver);
-        pass the drafter to generate(..., drafter=..., prompt_lookup_num_tokens=0) to measure a call."""
-        acceptance, table, cost = self._adaptive_config()
-        cost = cost.for_greedy() if greedy else cost
-        phrases = self.phrasebook()
-        rates = PhraseAcceptance.from_dict(self.config.adaptive["ngrams"]) if phrases is not None else None
-        return AdaptiveDrafter(self.heads, acceptance, cost, table, lookup,
-                               max_ngram=ngram, min_ngram=min(ngram, table.ngrams[0]) if table is not None else 1,
-                               lookup_branches=self.config.lookup_branches, phrases=phrases, phrase_acceptance=rates,
-                               rows=rows, observer=observer)
+        """The per-step drafter for one call (inference/plan.Drafting.adaptive_drafter); pass it to
+        generate(..., drafter=..., prompt_lookup_num_tokens=0) to watch a call's steps through `observer`."""
+        return self.drafting().adaptive_drafter(lookup, ngram, rows, greedy, observer)
 
     def phrasebook(self) -> NgramStore | None:
-        """The phrasebook that drafts in the per-step tree (a row alone or a batch): the store, where its acceptance was
-        calibrated (medusa-heads calibrate --parts ngrams); else None."""
-        return self.phrases if "ngrams" in (self.config.adaptive or {}) else None
+        """The phrasebook that drafts in the per-step tree, where its acceptance was calibrated; else None."""
+        return self.drafting().phrases
 
     def set_tree(self, tree: str | Sequence[Sequence[int]] | TreeSpec) -> None:
         """The tree of calls that name none (generate's tree= chooses per call): a preset name, rank paths or a
@@ -274,13 +221,40 @@ class MedusaModel(nn.Module):
         no drafting. Not for while other threads generate with this model: pass tree= to generate instead."""
         tree = check_tree(tree, self.config.num_heads, self.config.draft_vocab_size)
         if isinstance(tree, str) and tree == ADAPTIVE and self.cost_model() is None:
-            raise ValueError(f'tree="adaptive" needs the heads calibrated for these kernels '
-                             f'({kernels_key(self.base_model, is_prepacked(self.base_model))}): run medusa-heads calibrate')
+            raise ValueError(f'tree="adaptive" needs the heads calibrated for these kernels ({self.engine.kernels()}): '
+                             "run medusa-heads calibrate")
         if isinstance(tree, TreeSpec):
             self.tree = tree
         self.default_tree = tree
 
     # ---- generation ---------------------------------------------------------------------------------------------
+    def _max_new_tokens(self, input_ids: torch.Tensor, gc: GenerationConfig,
+                        generation_config: GenerationConfig | None, kwargs: dict) -> int:
+        """New tokens to generate, as transformers counts them from max_new_tokens or max_length."""
+        prompt = input_ids.shape[1]
+        context = getattr(self.base_model.config, "max_position_embeddings", None)
+        if gc.max_new_tokens is not None:
+            max_new = gc.max_new_tokens
+        elif kwargs.get("max_length") is None and getattr(generation_config, "max_length", None) is None \
+                and self.base_model.generation_config.max_length is None:  # no length set anywhere: as transformers,
+            max_new = gc.max_length  # its default max_length (20) counts new tokens, within the model's context
+            if context is not None:
+                max_new = min(max_new, context - prompt)
+            warnings.warn(f"Using the model-agnostic default `max_length` (={prompt + max_new}) to control "
+                          "the generation length. We recommend setting `max_new_tokens` to control the maximum length "
+                          "of the generation.", UserWarning, stacklevel=3)
+        else:
+            max_new = gc.max_length - prompt
+        if max_new < 1 and gc.max_new_tokens is not None:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        if max_new < 1:
+            raise ValueError(f"the prompt has {prompt} tokens and max_length is {gc.max_length}: nothing is "
+                             f"left to generate; set max_new_tokens instead")
+        if context is not None and prompt > context:
+            raise ValueError(f"the prompt has {prompt} tokens, more than the model's context of {context} "
+                             f"(max_position_embeddings); shorten it")
+        return max_new
+
     def generation_config_for(self, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
         """The settings generate() would run with for these arguments: the base model's generation config (or the one
         given) updated by kwargs, transformers' defaults for what is unset. Raises for what generate() cannot honour."""
@@ -333,61 +307,127 @@ class MedusaModel(nn.Module):
         batches of these kernels (`medusa-heads calibrate --parts batch`); the default drafts the fixed tree
         otherwise. Nothing about a call is stored on the model: calls with different trees may run side by side."""
         gc = self.generation_config_for(generation_config, **kwargs)
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
-        if input_ids.shape[1] == 0:
-            raise ValueError("input_ids is empty: give at least one prompt token")
-        eos_ids = prompting.eos_ids(gc.eos_token_id)
-        if attention_mask is None:  # as transformers infers it: padding is wherever pad_token_id sits, if not EOS
-            pad = gc.pad_token_id
-            if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
-                attention_mask = (input_ids != pad).long()
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
-        batched = input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.all()))
-        if batched and streamer is not None:
-            raise ValueError("streamers take one sequence: batched generation (or a padded prompt) cannot stream")
-        context = getattr(self.base_model.config, "max_position_embeddings", None)
-        if gc.max_new_tokens is not None:
-            max_new = gc.max_new_tokens
-        elif kwargs.get("max_length") is None and getattr(generation_config, "max_length", None) is None \
-                and self.base_model.generation_config.max_length is None:  # no length set anywhere: as transformers,
-            max_new = gc.max_length  # its default max_length (20) counts new tokens, within the model's context
-            if context is not None:
-                max_new = min(max_new, context - input_ids.shape[1])
-            warnings.warn(f"Using the model-agnostic default `max_length` (={input_ids.shape[1] + max_new}) to control "
-                          "the generation length. We recommend setting `max_new_tokens` to control the maximum length "
-                          "of the generation.", UserWarning, stacklevel=2)
-        else:
-            max_new = gc.max_length - input_ids.shape[1]
-        if max_new < 1 and gc.max_new_tokens is not None:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
-        if max_new < 1:
-            raise ValueError(f"the prompt has {input_ids.shape[1]} tokens and max_length is {gc.max_length}: nothing is "
-                             f"left to generate; set max_new_tokens instead")
-        if context is not None and input_ids.shape[1] > context:
-            raise ValueError(f"the prompt has {input_ids.shape[1]} tokens, more than the model's context of {context} "
-                             f"(max_position_embeddings); shorten it")
-        eos = set(eos_ids)
+        attention_mask, batched = _check_prompt(input_ids, attention_mask, gc, streamer)
+        max_new = self._max_new_tokens(input_ids, gc, generation_config, kwargs)
+        eos = set(prompting.eos_ids(gc.eos_token_id))
 
-        plan = make_plan(self, gc, rows=input_ids.shape[0], prompt_len=input_ids.shape[1], tree=tree,
+        plan = make_plan(self.drafting(), self.engine, gc, rows=input_ids.shape[0], prompt_len=input_ids.shape[1], tree=tree,
                          acceptance=acceptance, posterior_threshold=posterior_threshold,
                          posterior_alpha=posterior_alpha, logits_processor=logits_processor, drafter=drafter,
                          generator=generator)
-        device = self.base_model.device
+        device = self.engine.device
         if batched:
-            pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_ids or [None])[0]  # transformers' fallback
+            pad = gc.pad_token_id if gc.pad_token_id is not None else next(iter(prompting.eos_ids(gc.eos_token_id)), None)
             if pad is None:
                 raise ValueError("batched generation needs pad_token_id (or eos_token_id) to pad finished rows")
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-            sequences, stats = decode_batch(self.target, plan, input_ids.to(device), mask.to(device), max_new, eos, pad,
+            sequences, stats = decode_batch(self.engine, plan, input_ids.to(device), mask.to(device), max_new, eos, pad,
                                             stopping=stopping_criteria)
         else:
-            sequences, stats = decode(self.target, plan, input_ids.to(device), max_new, eos, streamer,
+            sequences, stats = decode(self.engine, plan, input_ids.to(device), max_new, eos, streamer,
                                       stopping=stopping_criteria)
         if gc.return_dict_in_generate:
             return MedusaGenerateOutput(sequences, stats)
         return sequences
+
+
+def _check_prompt(input_ids, attention_mask: torch.Tensor | None, gc: GenerationConfig,
+                  streamer) -> tuple[torch.Tensor | None, bool]:
+    """(the attention mask, inferred as transformers does where none is given; whether this is a batch)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: give at least one prompt token")
+    if attention_mask is None:  # padding is wherever pad_token_id sits, if it is not EOS
+        pad = gc.pad_token_id
+        if pad is not None and pad not in prompting.eos_ids(gc.eos_token_id) and bool((input_ids == pad).any()):
+            attention_mask = (input_ids != pad).long()
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
+    batched = input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.all()))
+    if batched and streamer is not None:
+        raise ValueError("streamers take one sequence: batched generation (or a padded prompt) cannot stream")
+    return attention_mask, batched
+
+
+def _check_kernels_asked(quantize: str | None, gguf) -> None:
+    """One line, before anything loads, for kernels this build cannot give."""
+    if gguf is not None and quantize:
+        raise ValueError("gguf= runs the target on llama.cpp, whose weights the GGUF file sets: leave out quantize")
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize={quantize!r}: the one quantisation is 'int8' (None: the base's own dtype)")
+    if quantize and not int8_supported():
+        raise ValueError("quantize='int8' needs oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise), which "
+                         "this PyTorch build lacks: load the model in bf16 or fp32 instead")
+
+
+def _load_base(name, quantize: str | None, prepack: bool | None, gguf, kwargs: dict) -> tuple[PreTrainedModel, bool]:
+    """The base by name, with the attention exactness needs; and whether to pack its linears (None: on a CPU that
+    packs its dtype, unless llama.cpp runs the target)."""
+    if quantize and "dtype" not in kwargs and "torch_dtype" not in kwargs:  # int8 linears, bf16 elsewhere
+        kwargs["dtype"] = torch.bfloat16 if bf16_supported() else torch.float32
+    base = load_base(name, prepack=False, **exact_attention_kwargs(name, kwargs))  # packed after an adapter merges
+    if uses_exact_attention(base) and has_attention_sinks(base):  # GPT-OSS: eager takes its sinks; ours does not
+        base.set_attn_implementation("eager")
+    if prepack is None:
+        prepack = base.device.type == "cpu" and packs(base.dtype) and gguf is None
+    return base, prepack
+
+
+def _heads_config(base: PreTrainedModel, heads, fingerprint: dict, allow_base_mismatch: bool):
+    """(heads directory or None, its config or None): "auto" resolved to the shipped heads where they fit this base,
+    a directory's config checked against the base (a reference Medusa directory has none of ours)."""
+    if heads == "auto":
+        heads, config = _shipped_heads_for(base, fingerprint)
+        if heads is None:
+            warnings.warn(f"no shipped heads were trained for {base.name_or_path or type(base).__name__}: drafting "
+                          "with new, untrained heads (output is exact, but no faster). Train heads for it "
+                          "(medusa-heads distill, then train) and pass heads=DIR, or heads=None for new heads "
+                          "without this warning.", UserWarning, stacklevel=3)
+        return heads, config
+    if heads is None or is_reference_dir(heads):
+        return heads, None
+    config = load_config(heads)
+    check_fingerprint(config, base, allow_base_mismatch, fingerprint)
+    return heads, config
+
+
+def _set_kernels(base: PreTrainedModel, quantize: str | None, prepack: bool) -> None:
+    """The base's linears on int8 or packed kernels, in place."""
+    if quantize:
+        if base.device.type != "cpu":
+            raise ValueError(f"quantize='int8' runs on a CPU; this base is on {base.device}: leave out quantize")
+        quantize_linears(base)
+        if not int8_rows_invariant(base.dtype):
+            warnings.warn("quantize='int8': this CPU's int8 products are not exact integer sums (checked: "
+                          "int8_rows_invariant), so greedy output may leave the int8 model's plain decoding at "
+                          "near-ties of the top two tokens", UserWarning, stacklevel=3)
+    elif prepack:
+        prepack_linears(base)
+
+
+def _build_heads(base: PreTrainedModel, heads, config: MedusaConfig | None, fingerprint: dict,
+                 draft_dtype: torch.dtype | None, shape: dict) -> tuple[MedusaHeads, NgramStore | None]:
+    """Loaded heads (ours or the reference layout's) and their phrasebook, or new heads of `shape`. Loaded heads draft
+    in `draft_dtype`, packed on a CPU; new heads keep the base's dtype, for training."""
+    lm_weight = base.get_output_embeddings().weight
+    embed_weight = base.get_input_embeddings().weight
+    phrases = None
+    if heads is None:
+        config = MedusaConfig(hidden_size=lm_weight.shape[1], vocab_size=lm_weight.shape[0],
+                              base_fingerprint=fingerprint, **shape)
+        medusa_heads = MedusaHeads(config, lm_weight, embed_weight)
+    elif config is None:  # saved by the reference Medusa code
+        medusa_heads = load_reference(heads, lm_weight)
+    else:
+        medusa_heads = load_heads(heads, lm_weight, config, embed_weight)
+        phrases = load_ngrams(heads, config.vocab_size)
+    medusa_heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
+    if heads is not None:
+        medusa_heads.cast(draft_dtype or _draft_dtype(lm_weight))
+        if lm_weight.device.type == "cpu" and prepack_supported():
+            prepack_heads(medusa_heads)
+    return medusa_heads, phrases
 
 
 def _draft_dtype(lm_weight: torch.Tensor) -> torch.dtype:

@@ -13,9 +13,8 @@ from medusa_heads.inference.adaptive import PRIOR, AdaptiveDrafter, Candidates, 
 from medusa_heads.inference.exact_attention import uses_exact_attention
 from medusa_heads.inference.prepack import bf16_supported, is_prepacked
 from medusa_heads.inference.propose import Draft, RowDrafter
-from medusa_heads.tree.adaptive import (
-    Acceptance, CostModel, LookupAcceptance, best_size, expected_tokens, cost_key, find_cost, hardware, isotonic, kernels_key,
-)
+from medusa_heads.machine import cost_key, find_cost, hardware, kernels_key
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size, expected_tokens, isotonic
 from medusa_heads.tree.buffers import build_buffers, from_parents
 from medusa_heads.tree.spec import TreeSpec
 
@@ -307,7 +306,7 @@ def test_a_level_is_skipped_only_where_drafting_it_could_not_give_a_better_tree(
 
     def promised(skip: bool) -> tuple[list[float], int]:
         """Each case's expected tokens per ms of its chosen tree, counting the levels drafted; levels in all."""
-        drafter = AdaptiveDrafter(model.heads, model._adaptive_config()[0], cost, topk=3, beam=3)
+        drafter = AdaptiveDrafter(model.heads, model.drafting().acceptance, cost, topk=3, beam=3)
         if not skip:
             monkeypatch.setattr(AdaptiveDrafter, "_worth_drafting", lambda self, *a: True)
         calls, real = [], model.heads.head_logits
@@ -484,7 +483,7 @@ def test_rows_of_a_batch_share_one_size_and_the_best_per_millisecond():
     step, and a row with fewer candidates than that keeps what it has."""
     model = calibrated(tiny_model(), BATCH_FLAT, num_heads=2)
     two = CostModel(contexts=(0,), sizes=(1, 2, 3, 4, 5), ms=((10.0, 10.0, 16.0, 17.0, 30.0),))
-    drafter = AdaptiveDrafter(model.heads, model._adaptive_config()[0], FLAT.with_batches({2: two}), topk=2, beam=2)
+    drafter = AdaptiveDrafter(model.heads, model.drafting().acceptance, FLAT.with_batches({2: two}), topk=2, beam=2)
     found = {0: [0.9, 0.2, 0.1, 0.1], 1: [0.8]}
     drafter._candidates_rows = lambda hidden, seqs, verify_ms: [Candidates(
         [0] + [5] * len(found[h]), [-1] + [0] * len(found[h]), [1.0, *found[h]], [0] * (len(found[h]) + 1),

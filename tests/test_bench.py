@@ -5,7 +5,7 @@ import json
 
 
 from medusa_heads import MedusaModel
-from medusa_heads.cli.bench import run_bench, write_results
+from medusa_heads.bench import run_bench, write_results
 from medusa_heads.corpus import PromptRow
 from medusa_heads.tree.calibrate import rank_paths
 from medusa_heads.tree import load_tree
@@ -54,7 +54,7 @@ def test_bench_methods_are_checked_and_labelled():
 
     import pytest
 
-    from medusa_heads.cli.bench import check_methods, method_label
+    from medusa_heads.bench import check_methods, method_label
 
     assert check_methods(["medusa", "hf", " pld", "medusa"]) == ["hf", "medusa", "pld"]
     for bad in ["medusaa", "medusa:cpu-7", "hf+pld3", "medusa+pldx", "pld+pld"]:
@@ -98,7 +98,7 @@ def test_chat_cli_streams_replies_and_reports_tau(monkeypatch, capsys, real_base
 
 
 def test_batch_bench_writes_tables_and_rows_match(tmp_path, real_base):
-    from medusa_heads.cli.bench import run_batch_bench, write_batch_results
+    from medusa_heads.bench import run_batch_bench, write_batch_results
 
     _, tok = real_base
     base = tiny_model("llama", seed=2, vocab_size=len(tok))

@@ -6,7 +6,8 @@ import torch
 
 from medusa_heads import MedusaModel
 from medusa_heads.inference.accept import TargetChoice
-from medusa_heads.inference.cache import new_cache
+from medusa_heads.engines.hf import Session, Target
+from medusa_heads.engines.hf_cache import new_cache
 from medusa_heads.inference.decode import decode
 from medusa_heads.inference.plan import DecodePlan
 from medusa_heads.inference.propose import HeadsDrafter
@@ -24,11 +25,19 @@ def test_cache_equals_a_plain_prefill_of_the_accepted_tokens(arch, budget, oracl
     model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, tree="cpu-16"))
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
     drafter = OracleDrafter(base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False), 96) if oracle else HeadsDrafter(model.heads)
-    cache = new_cache(base, capacity)
+    opened = []
+
+    class Recorded(Target):  # the engine, with the one session decode opens kept to look at its cache afterwards
+        def session(self, _capacity):
+            opened.append(Session(self, new_cache(base, capacity)))
+            return opened[-1]
+
     plan = DecodePlan(drafter, model.tree_buffers, TargetChoice(), None, greedy=False, tree="fixed",
                       max_size=model.tree_buffers.size)
-    seq, stats = decode(model.target, plan, ids, budget, set(), cache=cache)
+    seq, stats = decode(Recorded(base), plan, ids, budget, set())
+    cache = opened[0].cache
     past = cache.get_seq_length()
+    assert past == opened[0].past
     # every token but the next root is cached (at EOS or the budget the last emitted token may be cached too)
     assert past in (seq.shape[1] - 1, seq.shape[1])
     assert all(layer.keys.shape[-2] == past for layer in cache.layers)
@@ -80,7 +89,7 @@ def test_streamer_gets_the_prompt_then_each_accepted_chunk():
 
 @pytest.mark.parametrize("keep", [[0], [0, 1, 2], [0, 2, 5], [0, 1, 4, 6], [0, 3]])
 def test_keep_accepted_keeps_exactly_those_entries_in_order(keep):
-    from medusa_heads.inference.cache import keep_accepted
+    from medusa_heads.engines.hf_cache import keep_accepted
 
     base = tiny_model("llama", seed=1)
     cache = new_cache(base, 32)
@@ -95,7 +104,7 @@ def test_keep_accepted_keeps_exactly_those_entries_in_order(keep):
 
 
 def test_keep_accepted_rows_packs_each_rows_entries_at_its_own_end():
-    from medusa_heads.inference.cache import keep_accepted_rows
+    from medusa_heads.engines.hf_cache import keep_accepted_rows
 
     base = tiny_model("llama", seed=1)
     cache = new_cache(base, 32)

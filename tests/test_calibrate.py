@@ -10,7 +10,8 @@ from medusa_heads import MedusaModel
 from medusa_heads.config import MedusaConfig
 from medusa_heads.inference.propose import lookup_match
 from medusa_heads.shards import Segment
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, hardware, isotonic
+from medusa_heads.machine import hardware
+from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, isotonic
 from medusa_heads.calibration.measure import (
     ACCEPT_EDGES, TEMPERATURES, CandidateSamples, answer_spans, calibrate_acceptance, candidate_samples, correct_ranks,
     fit_isotonic, fit_temperature, lookup_acceptance, measure_cost, merge_adaptive,

@@ -391,7 +391,7 @@ def test_demo_says_what_it_does_first_and_puts_the_baseline_first(files, capsys)
 
 
 def test_bench_names_prompts_by_their_place_not_their_id(tmp_path):
-    from medusa_heads.cli.bench import prompt_name, write_results
+    from medusa_heads.bench import prompt_name, write_results
     from medusa_heads.corpus import PromptRow
 
     rows = [PromptRow("train_prompts:12104", ["Can you give me examples of strange laws in the US?"], category="chat"),

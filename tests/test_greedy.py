@@ -8,7 +8,7 @@ from transformers import LogitsProcessorList, SuppressTokensLogitsProcessor
 
 from medusa_heads import MedusaModel
 from medusa_heads.inference.propose import RowDrafter
-from medusa_heads.inference.verify import Target
+from medusa_heads.engines.hf import Target
 
 from conftest import ARCHS, assert_diverges_only_at_a_near_tie, chat_ids, randomize_heads, tiny_model
 

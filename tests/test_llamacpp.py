@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from medusa_heads import MedusaModel, llamacpp
-from medusa_heads.cli import bench
+from medusa_heads import bench
 from medusa_heads.corpus import PromptRow
 
 from conftest import randomize_heads, tiny_model

@@ -9,7 +9,8 @@ import torch
 
 from medusa_heads.calibration import machine
 from medusa_heads.calibration.measure import merge_adaptive
-from medusa_heads.tree.adaptive import CostModel, kernels_key
+from medusa_heads.machine import kernels_key
+from medusa_heads.tree.adaptive import CostModel
 
 from conftest import tiny_model
 from test_adaptive import calibrated

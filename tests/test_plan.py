@@ -10,7 +10,7 @@ import torch
 
 from medusa_heads import MedusaModel
 from medusa_heads.inference.adaptive import DraftObserver
-from medusa_heads.inference.batch import pad_trees
+from medusa_heads.engines.hf import pad_trees
 from medusa_heads.inference.propose import Draft, HeadsDrafter
 from medusa_heads.tree import TreeSpec
 from medusa_heads.tree.buffers import build_buffers, chain, from_parents, with_chain

@@ -11,7 +11,7 @@ from medusa_heads.inference.prepack import (
     prepack_supported, stock_kernels,
 )
 
-from medusa_heads.tree.adaptive import find_cost, kernels_key
+from medusa_heads.machine import find_cost, kernels_key
 
 from conftest import assert_diverges_only_at_a_near_tie, chat_ids, randomize_heads, tiny_model
 

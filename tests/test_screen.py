@@ -9,7 +9,7 @@ from conftest import randomize_heads, tiny_model
 from medusa_heads import MedusaModel
 from medusa_heads.inference.prepack import bf16_supported
 from medusa_heads.inference.screen import ArgmaxScreen
-from medusa_heads.inference.verify import Target
+from medusa_heads.engines.hf import Target
 
 needs_bf16 = pytest.mark.skipif(not bf16_supported(), reason="the screen runs only on CPUs with oneDNN bf16 kernels")
 

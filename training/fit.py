@@ -787,7 +787,7 @@ def _calibrate(base, tok, state, out, data, force_cost, log) -> dict:
 
 def _bench(base, tok, state, out, seconds, bench_prompts, log) -> dict:
     """A short bench against generate on held-out prompts: the plan's number, fewer if less time is left."""
-    from medusa_heads.cli.bench import run_bench
+    from medusa_heads.bench import run_bench
     from medusa_heads.corpus import read_prompts
     from medusa_heads.model import MedusaModel
 
@@ -837,7 +837,7 @@ def write_report(state: dict, out: Path) -> dict:
                                             if p == "distill" and parts else "") for p, s in report["phases_s"].items())
     verdict = []
     if b["pld_speedup"] is not None:  # the first lines say whether the training paid against the free baseline
-        from medusa_heads.cli.bench import lookup_verdict
+        from medusa_heads.bench import lookup_verdict
 
         verdict = [lookup_verdict(b["speedup"], b["pld_speedup"], "on this model"), ""]
     md = [f"# fit: {state['model']}", "", *verdict,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -286,59 +285,6 @@ def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor
     x0, x1, f0, f1 = xp[i - 1], xp[i], fp[i - 1], fp[i]
     w = ((x - x0) / (x1 - x0).clamp_min(1e-9)).clamp(0, 1)
     return f0 + w * (f1 - f0)
-
-
-def kernels_key(model: torch.nn.Module, prepacked: bool) -> str:
-    """The kernels a model's verify runs: "<prepacked|prepacked-mkl|stock|int8>-<dtype>-<device type>" (int8: its
-    linears are inference.int8's, and it runs in dtype otherwise; prepacked-mkl: fp32 linears on MKL's packed SGEMM,
-    inference.prepack.MklPackedLinear)."""
-    from medusa_heads.inference.prepack import PackedLinear
-
-    param = next(model.parameters())
-    kind = "stock"
-    if prepacked:  # the kernel class says (PackedLinear.cost_kind); a model packs all its linears alike
-        kind = next((m.cost_kind for m in model.modules() if isinstance(m, PackedLinear) and m.enabled), "prepacked")
-    return f"{kind}-{str(param.dtype).removeprefix('torch.')}-{param.device.type}"
-
-
-def hardware(device: torch.device) -> str:
-    """What the same kernels run on: a CPU's vector ISA as ATen dispatches it ("avx2", "avx512": the AVX2 fp32 GEMM
-    works on blocks of 6 rows and reads the weights at other rates, so the verify's cost by tree size has another
-    shape), a GPU's name ("nvidia-h200"); "" where neither is known."""
-    if device.type == "cpu":
-        return torch.backends.cpu.get_cpu_capability().lower()
-    if device.type == "cuda":
-        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
-    return ""
-
-
-def cost_key(model: torch.nn.Module, prepacked: bool) -> str:
-    """The key `calibrate` stores a cost model under: "<kernels_key>-<hardware>" ("prepacked-float32-cpu-avx2")."""
-    kernels, where = kernels_key(model, prepacked), hardware(next(model.parameters()).device)
-    return f"{kernels}-{where}" if where else kernels
-
-
-def find_cost(costs: dict, model: torch.nn.Module, prepacked: bool) -> str | None:
-    """The stored cost model (its key in `costs`) for this model's kernels, best first: measured on this hardware;
-    stored without hardware (heads calibrated before costs named it); the same kernels on other hardware (the
-    first key in sorted order: a tree from another machine's costs is still lossless, only sized less well).
-    None: not calibrated for these kernels. An int8 model not calibrated as such takes its dtype's prepacked table
-    (the same shape of cost: small products bound by overhead, nearly flat in the tree's size), and so does an fp32
-    model on MKL's packed products (oneDNN's table). Deterministic for a
-    machine, so a seed reproduces a sample."""
-    exact, kernels = cost_key(model, prepacked), kernels_key(model, prepacked)
-    tries = [(exact, kernels)]
-    for kind in ("int8-", "prepacked-mkl-"):
-        if kernels.startswith(kind):
-            tries.append(tuple(k.replace(kind, "prepacked-", 1) for k in (exact, kernels)))
-    for exact, kernels in tries:
-        for key in (exact, kernels):
-            if key in costs:
-                return key
-        found = next((k for k in sorted(costs) if k.startswith(kernels + "-")), None)
-        if found is not None:
-            return found
-    return None
 
 
 def expected_tokens(values: torch.Tensor, sizes: int) -> torch.Tensor:

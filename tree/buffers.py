@@ -128,7 +128,7 @@ _by_shape_lock = threading.Lock()
 
 def from_parents(parent: tuple[int, ...], device: torch.device | str = "cpu") -> TreeBuffers:
     """The buffers of the tree with this parent list (parent[0] = -1 is the root; each node after its parent): the
-    one builder of tree buffers (build_buffers, with_chain, chain and inference.batch.pad_trees call it). Immutable,
+    one builder of tree buffers (build_buffers, with_chain, chain and engines.hf.pad_trees call it). Immutable,
     so kept by shape and shared between calls and threads (at most 4,096 shapes; past that, built anew). No heads'
     drafting buffers (build_buffers adds them for a spec's tree): a per-step drafter drafts the tree it chose."""
     key = (parent, str(device))

@@ -55,13 +55,16 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     from medusa_heads.checkpoint import save_config, save_ngrams
     from medusa_heads.inference.prepack import is_prepacked
     from medusa_heads.shards import load_segments
-    from medusa_heads.tree.adaptive import cost_key
     from medusa_heads.tree.calibrate import rank_paths
     from medusa_heads.tree.ngrams import NgramStore, max_order
 
     unknown = set(parts) - set(PARTS)
     if not parts or unknown:
         raise ValueError(f"calibrate takes parts among {', '.join(PARTS)}, got {', '.join(parts) or 'none'}")
+    on_hf = model.engine is model.target
+    if not on_hf and {"tree", "batch"} & set(parts):
+        raise ValueError(f"--parts {','.join(sorted({'tree', 'batch'} & set(parts)))} times transformers' verify: on "
+                         "llama.cpp (--gguf) calibrate cost, and the engine-free parts (acceptance, lookup, ngrams)")
     config, s = model.config, settings
     held_out = []
     if {"tree", "acceptance"} & set(parts):
@@ -111,10 +114,14 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
         details["lookup"]["every_position"]["rates"] = [list(r) for r in dense.rates]
         log(report.lookup_table(details["lookup"], lookup))
     if "cost" in parts:
-        key = cost_key(model.base_model, is_prepacked(model.base_model))
+        key = model.engine.kernels()
         load = os.getloadavg()[0]  # other work on the machine slows every timing: kept beside them
-        cost = (key, measure.measure_cost(model.target, model.heads, contexts=s.contexts, repeats=s.repeats,
-                                          topk=s.accept_topk, overhead_ms=s.overhead_ms))
+        if on_hf:
+            cost = (key, measure.measure_cost(model.target, model.heads, contexts=s.contexts, repeats=s.repeats,
+                                              topk=s.accept_topk, overhead_ms=s.overhead_ms))
+        else:
+            cost = (key, measure.measure_engine_cost(model.engine, model.heads, config.vocab_size, contexts=s.contexts,
+                                                     repeats=s.repeats, topk=s.accept_topk, overhead_ms=s.overhead_ms))
         after = os.getloadavg()[0]
         details["cost"] = {key: {"threads": torch.get_num_threads(), "repeats": s.repeats, "parents": 4,
                                  "topk": s.accept_topk, "load average": f"{load:.1f} -> {after:.1f}"}}
@@ -135,7 +142,7 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
             details["cost"][key]["batches"]["untrusted timings"] = problems["batch"]
     if "greedy" in parts:
         key, one_row = _one_row_cost(cost, model, config, "a greedy verify's cost", "greedy")
-        if model.target.screen.get() is None:  # greedy verifies run the LM head here: ms holds their cost already
+        if not model.engine.greedy_choices:  # greedy verifies run the LM head here: ms holds their cost already
             log(f"calibrate: greedy verifies run the whole LM head on these kernels ({key}): no greedy cost to measure")
         else:
             load = os.getloadavg()[0]
@@ -169,7 +176,7 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     if refused and cost is not None and refused.keys() & {"cost", "batch", "greedy"}:
         cost = None  # measured in this run on a loaded machine: the stored cost models stay as they were
     if acceptance or lookup or cost or phrases:
-        timed_here = machine_record(next(model.base_model.parameters()).device) if "cost" in parts else None
+        timed_here = machine_record(model.engine.device) if "cost" in parts else None
         config.adaptive = measure.merge_adaptive(config.adaptive, acceptance, lookup, cost, phrases, timed_here)
         old = config.extra.get("adaptive_calibration", {})
         config.extra["adaptive_calibration"] = {**old, **{k: report.brief(k, v) for k, v in details.items() if k != "cost"}}
@@ -230,10 +237,9 @@ def timing_problem(load_before: float, load_after: float, threads: int,
 
 def _one_row_cost(cost, model, config, what: str, part: str):
     """(kernels key, one-row cost model) that the `part` measurement adds to: measured in this run, else stored."""
-    from medusa_heads.inference.prepack import is_prepacked
-    from medusa_heads.tree.adaptive import CostModel, cost_key
+    from medusa_heads.tree.adaptive import CostModel
 
-    key = cost[0] if cost else cost_key(model.base_model, is_prepacked(model.base_model))
+    key = cost[0] if cost else model.engine.kernels()
     one_row = cost[1] if cost else (config.adaptive or {}).get("cost", {}).get(key)
     if one_row is None:
         raise ValueError(f"{what} adds to the one-row cost model of these kernels ({key}), which the heads lack: "

@@ -30,34 +30,13 @@ from pathlib import Path
 import torch
 
 from medusa_heads.inference.prepack import is_prepacked
-from medusa_heads.tree.adaptive import CostModel, cost_key
+from medusa_heads.machine import cost_key, cpu_name, isa
+from medusa_heads.tree.adaptive import CostModel
 
 QUICK_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the sizes timed at first use (CostModel interpolates the rest)
 QUICK_REPEATS = 2
 ENV = "MEDUSA_HEADS_MACHINE_COSTS"  # "on": time this machine's tables at first use; else the stored ones as they are
 _lock = threading.Lock()
-
-
-def cpuinfo(field: str) -> str | None:
-    """The first value of `field` in /proc/cpuinfo ("model name", "vendor_id", "flags"), whitespace collapsed; None
-    where the file or the field is missing."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, sep, value = line.partition(":")
-            if sep and name.strip() == field:
-                return " ".join(value.split())
-    except OSError:
-        pass
-    return None
-
-
-def cpu_name() -> str:
-    name = cpuinfo("model name")
-    if name is not None:
-        return name
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def machine_record(device: torch.device | str) -> dict:
@@ -67,7 +46,7 @@ def machine_record(device: torch.device | str) -> dict:
     torch_version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     if device.type == "cuda":
         return {"gpu": torch.cuda.get_device_name(device), "torch": torch_version}
-    return {"cpu": cpu_name(), "isa": torch.backends.cpu.get_cpu_capability().lower(),
+    return {"cpu": cpu_name(), "isa": isa(),
             "threads": torch.get_num_threads(), "torch": torch_version}
 
 

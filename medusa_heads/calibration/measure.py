@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 import torch
 from tqdm import tqdm
 
-from medusa_heads.inference.cache import crop_to, new_cache
+from medusa_heads.engines.hf_cache import crop_to, new_cache
 from medusa_heads.inference.propose import MAX_NGRAM
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, best_size, isotonic
 from medusa_heads.tree.buffers import build_buffers, chain
@@ -550,6 +550,37 @@ def measure_cost(target, heads, sizes: tuple[int, ...] = COST_SIZES, contexts: t
     ms = []
     for c in tqdm(contexts, desc="contexts", leave=False):
         latency = verify_latency(target, list(sizes), context=c, repeats=repeats)
+        ms.append(tuple(round(1000 * latency[n], 2) for n in sizes))
+    draft = round(level_draft_ms(heads, topk=topk), 3)
+    return CostModel(tuple(contexts), tuple(sizes), tuple(ms), draft_ms=draft, overhead_ms=overhead_ms, fit="measured")
+
+
+@torch.no_grad()
+def engine_latency(engine, sizes: list[int], context: int, repeats: int, vocab: int) -> dict[int, float]:
+    """Median seconds of one verify of a chain of n random tokens after `context` cached ones, for each n, on any
+    engine (engines/base.py): through a session, each verify rolled back after it is timed."""
+    g = torch.Generator().manual_seed(0)
+    session = engine.session(context + max(sizes) + 1)
+    try:
+        session.prefill(torch.randint(0, vocab, (1, context), generator=g))
+        chains = {n: chain(n, engine.device) for n in sizes}
+
+        def forward(n: int):
+            tokens = torch.randint(0, vocab, (n,), generator=g)
+            return lambda: session.verify(tokens, chains[n], greedy=False)
+
+        return _median_seconds(forward, session.rollback, sizes, repeats, engine.device, f"latency, {context} cached")
+    finally:
+        session.close()
+
+
+def measure_engine_cost(engine, heads, vocab: int, sizes: tuple[int, ...] = COST_SIZES,
+                        contexts: tuple[int, ...] = COST_CONTEXTS, repeats: int = 5, topk: int = 8,
+                        overhead_ms: float = 3.0) -> CostModel:
+    """measure_cost for an engine other than transformers (llama.cpp): its verify by tree size and context."""
+    ms = []
+    for c in tqdm(contexts, desc="contexts", leave=False):
+        latency = engine_latency(engine, list(sizes), c, repeats, vocab)
         ms.append(tuple(round(1000 * latency[n], 2) for n in sizes))
     draft = round(level_draft_ms(heads, topk=topk), 3)
     return CostModel(tuple(contexts), tuple(sizes), tuple(ms), draft_ms=draft, overhead_ms=overhead_ms, fit="measured")

@@ -100,6 +100,14 @@ def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
                              "CPU only, int8 linears with bf16 elsewhere, exact against its own plain decoding)")
     _prepack_arg(parser)
     _device_arg(parser)
+    _gguf_arg(parser)
+
+
+def _gguf_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gguf", default=None, metavar="FILE|WEIGHTS",
+                        help="run the target on llama.cpp (`make llamacpp-setup` builds it): a GGUF file of --model, or "
+                             "a weight type (f32, bf16, q8_0, q4_1, q4_k_m) converted from --model once and cached; "
+                             "greedy output is then llama.cpp's own greedy decoding of that file")
 
 
 def _heads_args(parser: argparse.ArgumentParser, help: str, required: bool = False) -> None:
@@ -264,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"ends with status {MISTAKE} saying why)")
     _prepack_arg(c)
     _device_arg(c)
+    _gguf_arg(c)
     _threads_arg(c, 2)
 
     b = command("bench", "hf vs prompt lookup vs medusa, same process, alternating order", cmd_bench)
@@ -272,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=DEFAULT_MODEL, help="the embedded default's name, a local HF directory or a hub id")
     _heads_args(b, "heads directory (default: the shipped heads, if they fit the model; else untrained heads)")
     _prepack_arg(b)
+    _gguf_arg(b)
     b.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
                    help="the model's dtype (int8: CPU only, int8 linears with bf16 elsewhere; hf is then that int8 "
                         "model's plain decoding)")

@@ -176,6 +176,20 @@ def _dtype_kwargs(name: str, device: str | None) -> dict:
     return {"quantize": "int8"}
 
 
+def _check_gguf(args: argparse.Namespace) -> str | None:
+    """--gguf, checked before anything loads: a GGUF file or a weight type, on a CPU, in llama.cpp's own weights."""
+    gguf = getattr(args, "gguf", None)
+    if gguf is None:
+        return None
+    from medusa_heads.llamacpp import WEIGHTS
+
+    if gguf.lower() not in WEIGHTS and not (gguf.endswith(".gguf") and Path(gguf).is_file()):
+        raise SystemExit(f"--gguf {gguf}: neither a GGUF file nor a weight type ({', '.join(WEIGHTS)})")
+    if args.dtype != "fp32" or args.device not in (None, "cpu"):
+        raise SystemExit("--gguf runs llama.cpp on the CPU in the file's own weights: leave out --dtype and --device")
+    return gguf
+
+
 def _load_medusa(args: argparse.Namespace):
     """Base model, tokenizer and MedusaModel for the generating commands (--model, --heads, --tree); says when the
     heads are untrained."""
@@ -183,6 +197,7 @@ def _load_medusa(args: argparse.Namespace):
     _check_heads(args.heads)
     _check_device(args.device)
     dtype = _dtype_kwargs(args.dtype, args.device)  # --dtype int8 off a CPU: one line before anything loads
+    gguf = _check_gguf(args)
 
     from medusa_heads.model import MedusaModel
 
@@ -191,7 +206,7 @@ def _load_medusa(args: argparse.Namespace):
     with warnings.catch_warnings():  # untrained heads: the one line below says it the command's way
         warnings.filterwarnings("ignore", "no shipped heads were trained", UserWarning)
         model = MedusaModel.from_pretrained(args.model, heads=args.heads or "auto", tree=getattr(args, "tree", None),
-                                            allow_base_mismatch=args.allow_base_mismatch,
+                                            allow_base_mismatch=args.allow_base_mismatch, gguf=gguf,
                                             device_map=args.device, prepack=None if args.prepack else False, **dtype)
     if not model.config.extra:  # trained heads record their recipe and training; new heads record nothing
         where = f"{args.heads} holds" if args.heads else f"no shipped heads fit {args.model}, so it runs with"
@@ -546,7 +561,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         ids = {c["id"] for c in held}
         phrase_data = ([c for c in every if c["id"] not in ids], held)
     prepack = args.prepack and args.device in (None, "cpu")
-    model = MedusaModel.from_pretrained(args.model, heads=args.heads, device_map=args.device,
+    model = MedusaModel.from_pretrained(args.model, heads=args.heads, device_map=args.device, gguf=_check_gguf(args),
                                         prepack=None if prepack else False, allow_base_mismatch=args.allow_base_mismatch,
                                         **_dtype_kwargs(args.dtype, args.device))
     settings = Settings(max_nodes=args.max_nodes, topk=args.topk, context=args.context, repeats=args.repeats,
@@ -560,7 +575,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
-    from medusa_heads.cli.bench import check_methods, run_batch_bench, run_bench, write_batch_results, write_results
+    from medusa_heads.bench import check_methods, run_batch_bench, run_bench, write_batch_results, write_results
 
     _check_sampling(args)
     rows = _read_prompts(args.prompts)[: args.limit]

@@ -1,29 +1,22 @@
-"""The target side: prefill, and one forward over a whole token tree with a 4D mask."""
+"""The transformers engine: an unmodified causal LM prefills, and verifies a whole token tree in one forward with a
+4D mask; its cache is a DynamicCache the session owns (all surgery on it in engines/hf_cache.py)."""
 from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
 
 import torch
+from einops import repeat
 from transformers import DynamicCache, PreTrainedModel
 
-from medusa_heads.tree.buffers import TreeBuffers
+from medusa_heads.engines.base import TargetOutput
+from medusa_heads.engines.hf_cache import crop_to, keep_accepted, keep_accepted_rows, new_cache
+from medusa_heads.tree.buffers import TreeBuffers, from_parents
 from medusa_heads.inference.layers import attention_layout
+from medusa_heads.inference.prepack import is_prepacked
 from medusa_heads.inference.screen import ScreenCache
 from medusa_heads.inference.tap import LMHeadTap
-
-
-@dataclass
-class TargetOutput:
-    logits: torch.Tensor | None  # ([B,] T, V): the target's logits for the token after each input position
-    hidden: torch.Tensor  # ([B,] T, H): the LM head's input at each position
-    choices: torch.Tensor | None = None  # ([B,] T): the logits' argmax instead, where only that was asked for
-
-    def row(self, b: int = 0, n: int | None = None) -> "TargetOutput":
-        """Row b of a batch's output (its first n positions, with n)."""
-        pick = lambda x: None if x is None else x[b, :n]  # noqa: E731
-        return TargetOutput(pick(self.logits), self.hidden[b, :n], pick(self.choices))
+from medusa_heads.machine import cost_key, find_cost
 
 
 def target_cache_kw(model: PreTrainedModel) -> str:
@@ -33,7 +26,8 @@ def target_cache_kw(model: PreTrainedModel) -> str:
 
 
 class Target:
-    """Drives an unmodified transformers causal LM. Quirks of versions and families live here only."""
+    """The transformers engine (engines/base.Engine): drives an unmodified causal LM. Quirks of versions and
+    families live here only."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
@@ -48,6 +42,26 @@ class Target:
             # honour with a mask too. Same logits, bit for bit; at 4K cached tokens a 2-token verify of SmolLM2
             # costs ~1.2x a plain step instead of ~2x. Process-wide, as transformers reads it; a user's own setting wins.
             os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def greedy_choices(self) -> bool:
+        return self.screen.get() is not None
+
+    def kernels(self) -> str:
+        return cost_key(self.model, is_prepacked(self.model))
+
+    def find_cost(self, costs: dict) -> str | None:
+        return find_cost(costs, self.model, is_prepacked(self.model))
+
+    def session(self, capacity: int) -> "Session":
+        return Session(self, new_cache(self.model, capacity))
+
+    def batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capacity: int) -> "BatchRows":
+        return BatchRows(self, new_cache(self.model, capacity), input_ids, attention_mask)
 
     def _run(self, **kwargs) -> TargetOutput:
         kwargs[self.cache_kw] = kwargs.pop("cache")
@@ -121,3 +135,92 @@ class Target:
         mask = self.layout.masks(queries, keys, allowed, self.model.dtype)
         inputs = dict(input_ids=tokens, attention_mask=mask, position_ids=queries, cache=cache)
         return (greedy and self._run_greedy(**inputs)) or self._run(**inputs)
+
+
+class Session:
+    """One sequence's cache for one call (engines/base.Session): a tree is verified at the cache's end and cut back
+    to its accepted path in place (keep_accepted)."""
+
+    def __init__(self, target: Target, cache: DynamicCache) -> None:
+        self.target, self.cache, self.past = target, cache, 0
+
+    def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
+        out = self.target.prefill(input_ids, self.cache)
+        self.past = input_ids.shape[1]
+        return out
+
+    def verify(self, tokens: torch.Tensor, buffers: TreeBuffers, greedy: bool) -> TargetOutput:
+        return self.target.verify(tokens, self.past, self.cache, buffers, greedy=greedy)
+
+    def commit(self, keep: torch.Tensor) -> None:
+        keep_accepted(self.cache, self.past, keep)
+        self.past += keep.shape[0]
+
+    def rollback(self) -> None:
+        crop_to(self.cache, self.past)
+
+    def close(self) -> None:
+        pass  # the cache goes with the session
+
+
+class BatchRows:
+    """B left-padded prompts in one cache (engines/base.BatchRows). All rows write their trees at the same cache
+    slots, after the longest row; then each row's accepted entries move to its own end (keep_accepted_rows), so the
+    cache is as long as the longest row, and what lies past a row's end is hidden by its attention mask, as its left
+    padding is. Positions count each row's real tokens only, so every row computes exactly what it would alone.
+    Finished rows ride along in the verify with their root alone."""
+
+    def __init__(self, target: Target, cache: DynamicCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        if not bool(attention_mask[:, -1].all()):
+            raise ValueError("batched prompts must be left-padded: the last position of every row must be a real token")
+        self.target, self.cache, self.input_ids = target, cache, input_ids
+        self.prompt_valid = attention_mask.bool()  # (B, L): the prompt's cache slots that hold each row's own tokens
+        rows, prompt_len = input_ids.shape
+        device = input_ids.device
+        self.ends = torch.full((rows,), prompt_len, device=device)  # (B,): where each row's entries end
+        self.past = prompt_len
+        self.root_alone = from_parents((-1,), device)  # a finished row's tree
+
+    def prefill(self) -> TargetOutput:
+        return self.target.prefill_batch(self.input_ids, self.prompt_valid.long(), self.cache)
+
+    def verify(self, running, roots, drafts, greedy):
+        every = [(roots[0].new_zeros(0), self.root_alone)] * len(roots)  # finished rows: their root alone
+        for b, d in zip(running, drafts):
+            every[b] = d
+        trees, masks, depths = pad_trees(every, roots)
+        self.past = int(self.ends.max())  # the cache's length
+        prompt_len = self.prompt_valid.shape[1]
+        slots = torch.arange(prompt_len, self.past, device=self.ends.device)
+        valid = torch.cat([self.prompt_valid, slots[None] < self.ends[:, None]], dim=1)
+        positions = valid.long().sum(1)  # (B,): each row's root position = its real tokens so far
+        out = self.target.verify_batch(trees, positions, valid, self.cache, masks, depths, greedy=greedy)
+        return [(trees[b, : d[1].size], out.row(b, d[1].size)) for b, d in zip(running, drafts)]
+
+    def commit(self, running, keeps):
+        """Each row's accepted entries move to its own end; finished rows keep nothing."""
+        every = [self.ends.new_zeros(0)] * self.ends.shape[0]
+        for b, k in zip(running, keeps):
+            every[b] = k
+        keep = torch.zeros(len(every), max(k.shape[0] for k in every), dtype=torch.long, device=self.ends.device)
+        for b, k in enumerate(every):
+            if k.shape[0]:
+                keep[b, : k.shape[0]], keep[b, k.shape[0] :] = k, k[-1]
+        counts = torch.tensor([k.shape[0] for k in every], device=self.ends.device)
+        keep_accepted_rows(self.cache, self.past, keep, counts, self.ends)
+        self.ends += counts
+
+
+def pad_trees(drafts: list, roots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's tree (root + drafted nodes), padded to the largest: (B, T) tokens, (B, T, T) ancestor masks and
+    (B, T) depths. A padding node repeats the root one level below it (a child of the root, seeing only the root
+    and itself): its entries are never accepted, so they are dropped with the rest of the tree."""
+    size = max(buffers.size for _, buffers in drafts)
+    device = drafts[0][1].mask.device
+    tokens = repeat(torch.stack(roots), "b -> b t", t=size).clone()
+    padded = []
+    for row, (drafted, buffers) in enumerate(drafts):
+        tokens[row, 1 : buffers.size] = drafted
+        padded.append(buffers if buffers.size == size else
+                      from_parents((*buffers.parent.tolist(), *[0] * (size - buffers.size)), device))
+    return tokens, torch.stack([b.mask for b in padded]), torch.stack([b.depth for b in padded])

@@ -10,13 +10,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from medusa_heads import llamacpp
 from medusa_heads.config import DEFAULT_TREE
+from medusa_heads.corpus import PromptRow
+from medusa_heads.engines.llamacpp import LlamaCppEngine
 from medusa_heads.inference.int8 import is_int8
 from medusa_heads.inference.prepack import is_prepacked, stock_kernels
+from medusa_heads.llamacpp import METHODS as LLAMACPP_METHODS, plain_reference, split_method
+from medusa_heads.machine import hardware
 from medusa_heads.prompting import eos_ids, prompt_ids, prompt_text, user_turn
-from medusa_heads.tree.adaptive import hardware
-from medusa_heads.corpus import PromptRow
-from medusa_heads.llamacpp import METHODS as LLAMACPP_METHODS, NGRAM_MODES, plain_reference
+from medusa_heads.tree import list_presets
 
 
 class ForwardCounter:
@@ -56,8 +59,6 @@ MEDUSA_METHODS = ("medusa", "medusa-static", "medusa-preset")  # and medusa:PRES
 def parse_method(method: str) -> tuple[str, int | None]:
     """A bench method -> (its name before any "+pld", prompt-lookup tokens: None = the heads' own lookup_tokens);
     ValueError naming the valid methods for anything else."""
-    from medusa_heads.tree import list_presets
-
     name, plus, lookup = method.partition("+pld")
     medusa = name in MEDUSA_METHODS or (name.startswith("medusa:") and name.split(":", 1)[1] in list_presets())
     if method in PLAIN_METHODS or (medusa and not plus):
@@ -73,8 +74,6 @@ def parse_method(method: str) -> tuple[str, int | None]:
 def check_methods(methods: list[str]) -> list[str]:
     """The methods to run, checked, without repeats, hf (the reference) first; "llamacpp" stands for every
     llama.cpp method (medusa_heads/llamacpp.py), "llamacpp-ngram" for its n-gram modes."""
-    from medusa_heads import llamacpp
-
     methods = llamacpp.expand([m.strip() for m in methods if m.strip()])
     for m in methods:
         if m not in llamacpp.METHODS:
@@ -86,8 +85,10 @@ def method_label(method: str, heads_lookup: int, phrasebook: bool = False) -> st
     """What a method runs, for tables and charts: e.g. "medusa (heads + lookup 10)", "medusa+pld0 (heads only)";
     phrasebook: the heads' phrasebook drafts in the per-step tree ("heads + phrasebook + lookup 10")."""
     if method in LLAMACPP_METHODS:
-        kind = method.removeprefix("llamacpp-")
-        return f"llama.cpp {kind.upper()}" if kind not in NGRAM_MODES else f"llama.cpp F32 + {kind} self-speculation"
+        weights, mode, heads = split_method(method)
+        if heads:
+            return f"heads on llama.cpp {weights.upper()}"
+        return f"llama.cpp {weights.upper()}" + (f" + {mode} self-speculation" if mode else "")
     name, lookup = parse_method(method)
     if name == "hf":
         return "hf"
@@ -124,8 +125,14 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
     gen = dict(do_sample=False) if sampling is None else dict(do_sample=True, **sampling)
     engines = llamacpp_engines(base, tokenizer, methods, sampling, max_new_tokens + long_tokens)
     llama_forwards = {}  # a llama.cpp method's target forwards at its last call (its own count; no hook sees them)
+    on_llama = {m: model.on_engine(e) for m, e in engines.items() if split_method(m)[2]}  # the heads on llama.cpp
 
     def call(method: str, ids: torch.Tensor, max_new_tokens: int = max_new_tokens, **gen):
+        if method in on_llama:
+            res = on_llama[method].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                            return_dict_in_generate=True, **gen)
+            llama_forwards[method] = res.stats.steps
+            return res.sequences, res.stats
         if method in engines:
             new, llama_forwards[method] = engines[method].generate(ids[0].tolist(), max_new_tokens,
                                                                    ignore_eos="eos_token_id" in gen)
@@ -152,7 +159,7 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
 
     acc = defaultdict(lambda: defaultdict(lambda: {"seconds": 0.0, "tokens": 0, "forwards": 0, "mismatches": 0, "mismatches_plain": 0,
                                                  "peak_mb": 0.0}))
-    profile = defaultdict(float)
+    profile = defaultdict(lambda: defaultdict(float))  # a drafting method -> its seconds per part of a step
     verify_sizes = defaultdict(lambda: [0, 0])  # medusa's tree tokens verified at a step -> [steps, new tokens]
     for i, row in enumerate(tqdm(rows, desc="bench", unit="prompt")):
         messages = []
@@ -180,11 +187,12 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                     a["tokens"] += new
                     a["forwards"] += llama_forwards[m] if m in engines else counter.calls - calls0
                     a["peak_mb"] = max(a["peak_mb"], _peak_mb(device))
-                if stats is not None and m == "medusa":
+                if stats is not None:
                     for k, v in stats.seconds.items():
-                        profile[k] += v
-                    profile["total"] += dt
-                    profile["steps"] += stats.steps
+                        profile[m][k] += v
+                    profile[m]["total"] += dt
+                    profile[m]["steps"] += stats.steps
+                if stats is not None and m == "medusa":
                     for drafted, emitted in zip(stats.tree_sizes, stats.tokens_per_step[1:]):  # [0]: the prefill
                         verify_sizes[drafted + 1][0] += 1
                         verify_sizes[drafted + 1][1] += emitted
@@ -247,12 +255,16 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
                      "prepacked_linears": is_prepacked(base), "int8_linears": is_int8(base), "hardware": hardware(device),
                      "cost_model": model.cost_model_key() if model.adaptive else None},
     }
-    if profile:
-        total = profile.pop("total")
-        steps = profile.pop("steps")
-        parts = {k: v / total for k, v in profile.items()}
+    profiles = {}
+    for m, seconds in profile.items():
+        total, steps = seconds.pop("total"), seconds.pop("steps")
+        parts = {k: v / total for k, v in seconds.items()}
         parts["python/other"] = 1.0 - sum(parts.values())
-        result["profile"] = {"share_of_time": parts, "ms_per_step": {k: 1000 * v / steps for k, v in profile.items()}}
+        profiles[m] = {"share_of_time": parts, "ms_per_step": {k: 1000 * v / steps for k, v in seconds.items()}}
+    if "medusa" in profiles:
+        result["profile"] = profiles["medusa"]
+    if profiles:
+        result["profiles"] = profiles
     if verify_sizes:  # what the per-step tree chose, and what each size yielded (prefill forwards not counted)
         total = sum(n for n, _ in verify_sizes.values())
         result["verify_sizes"] = {size: {"steps": n, "share": n / total, "tokens_per_step": emitted / n}
@@ -262,8 +274,6 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
 
 def llamacpp_engines(base, tokenizer, methods: list[str], sampling: dict | None, n_tokens: int) -> dict:
     """The llama.cpp methods' engines, built (once per machine) and loaded before any timing."""
-    from medusa_heads import llamacpp
-
     wanted = [m for m in methods if m in LLAMACPP_METHODS]
     if not wanted:
         return {}
@@ -276,11 +286,14 @@ def llamacpp_engines(base, tokenizer, methods: list[str], sampling: dict | None,
     engines = {}
     try:
         for m in wanted:
-            kind = m.removeprefix("llamacpp-")
-            if kind in NGRAM_MODES:
-                engines[m] = llamacpp.Server(llamacpp.gguf(folder, "f32"), kind, threads, n_ctx, eos)
+            weights, mode, heads = split_method(m)
+            path = llamacpp.gguf(folder, weights)
+            if heads:
+                engines[m] = LlamaCppEngine(path, weights, threads, n_ctx)
+            elif mode:
+                engines[m] = llamacpp.Server(path, mode, threads, n_ctx, eos)
             else:
-                engines[m] = llamacpp.Plain(llamacpp.gguf(folder, kind), threads, n_ctx)
+                engines[m] = llamacpp.Plain(path, threads, n_ctx)
     except BaseException:
         for engine in engines.values():
             engine.close()
@@ -322,28 +335,31 @@ def _against_lookup(result: dict) -> list[str]:
 
 
 def _against_llamacpp(result: dict) -> list[str]:
-    """The heads against llama.cpp on the same prompts: its plain decoding per weight format, and its best n-gram
-    self-speculation mode (with how many of its outputs differ from its own plain decoding)."""
-    overall = result["overall"]
+    """The heads against llama.cpp on the same prompts: llama.cpp's plain decoding per weight type, the heads on
+    llama.cpp at each weight type against its plain decoding there, and its best n-gram self-speculation."""
+    overall, runs = result["overall"], result["settings"]["prompts_run"]
+    ours = [m for m in LLAMACPP_METHODS if m in overall and split_method(m)[2]]
     plain = [m for m in LLAMACPP_METHODS if m in overall and plain_reference(m) is None]
-    ngram = [m for m in LLAMACPP_METHODS if m in overall and plain_reference(m) is not None]
-    if not plain and not ngram:
-        return []
+    ngram = [m for m in LLAMACPP_METHODS if m in overall and split_method(m)[1]]
     lines = []
-    if "medusa" in overall:
-        ours = overall["medusa"]["tokens_per_s"]
-        rel = ", ".join(f"{ours / overall[m]['tokens_per_s']:.2f}× llama.cpp {m.removeprefix('llamacpp-').upper()} "
+    if "medusa" in overall and plain:
+        tps = overall["medusa"]["tokens_per_s"]
+        rel = ", ".join(f"{tps / overall[m]['tokens_per_s']:.2f}× llama.cpp {split_method(m)[0].upper()} "
                         f"({overall[m]['tokens_per_s']:.1f} tokens/s)" for m in plain)
-        lines.append(f"**Against llama.cpp**: the heads decode at {ours:.1f} tokens/s: {rel}.")
+        lines.append(f"**Against llama.cpp**: the heads decode at {tps:.1f} tokens/s: {rel}.")
+    for m in ours:
+        r, ref = overall[m], plain_reference(m)
+        vs = f", {r['tokens_per_s'] / overall[ref]['tokens_per_s']:.2f}× its plain decoding" if ref in overall else ""
+        same = f"; {r['mismatches_vs_plain']} of {runs} outputs differ from it" if ref in overall else ""
+        lines.append(f"**The heads on llama.cpp {split_method(m)[0].upper()}**: {r['tokens_per_s']:.1f} tokens/s{vs}, "
+                     f"τ {r['mean_accepted']:.2f}{same}.")
     if ngram:
         best = max(ngram, key=lambda m: overall[m]["tokens_per_s"])
-        b = overall[best]
-        ref = plain_reference(best)
-        vs = f", {b['tokens_per_s'] / overall[ref]['tokens_per_s']:.2f}× its plain F32" if ref in overall else ""
+        b, ref = overall[best], plain_reference(best)
+        vs = f", {b['tokens_per_s'] / overall[ref]['tokens_per_s']:.2f}× its plain decoding" if ref in overall else ""
         lines.append(f"llama.cpp's best n-gram self-speculation here is {best.removeprefix('llamacpp-')}: "
                      f"{b['tokens_per_s']:.1f} tokens/s{vs}, τ {b['mean_accepted']:.2f}; "
-                     f"{b['mismatches_vs_plain']} of {result['settings']['prompts_run']} outputs differ from its "
-                     f"plain decoding.")
+                     f"{b['mismatches_vs_plain']} of {runs} outputs differ from its plain decoding.")
     return lines
 
 
@@ -383,9 +399,10 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
         for m in methods:
             r = lg[m]
             lines.append(f"| {labels[m]} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | {r['speedup_vs_hf']:.2f} | {r['same_as_hf']} |")
-    if "profile" in result:
-        lines += ["", "Per-step profile of `medusa` (share of wall time): "
-                  + ", ".join(f"{k} {v:.1%}" for k, v in result["profile"]["share_of_time"].items())]
+    for m, prof in result.get("profiles", {"medusa": result["profile"]} if "profile" in result else {}).items():
+        lines += ["", f"Per-step profile of `{m}` (share of wall time; ms a step): "
+                  + ", ".join(f"{k} {v:.1%}" + (f" ({prof['ms_per_step'][k]:.2f})" if k in prof["ms_per_step"] else "")
+                              for k, v in prof["share_of_time"].items())]
     if result.get("verify_sizes"):
         lines += ["", "Tree tokens verified per step by `medusa` (root included; share of steps, new tokens per step): "
                   + ", ".join(f"{size}: {v['share']:.1%}, {v['tokens_per_step']:.2f}" for size, v in result["verify_sizes"].items())]

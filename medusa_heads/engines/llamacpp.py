@@ -1,0 +1,267 @@
+"""The llama.cpp engine: a GGUF file behind the decode loop, through llama.cpp's C API (llama-cpp-python's ctypes).
+
+A verify is one `llama_decode` of the tree's tokens. Every root-to-leaf path of the tree is a sequence of its own;
+a node carries the ids of every path through it, so llama.cpp's mask (a token sees the cells of its first sequence
+at positions up to its own) shows each node the cached prefix and its own ancestors, the way llama.cpp's own tree
+speculation does. The paths' sequences first share the prefix (`llama_memory_seq_cp` from sequence 0, which adds an
+id to the prefix's cells in the unified KV buffer, copying nothing). Commit gives the accepted path's cells id 0 and
+takes every path's id away (`seq_rm`): nothing is recomputed. With embeddings on and pooling NONE the same decode
+hands over each token's logits and the final normed hidden state, which the heads read.
+
+Attention sums the cached cells in the order they lie in the KV buffer, so for its bits to be those of llama.cpp's
+plain decoding the cells must lie in position order, as a plain decoding leaves them. llama.cpp fills the first
+free cell, so a rejected node freed between two accepted ones would take the next token out of order: rejected
+cells that lie before the last accepted one move to a sequence nobody attends to (SPENT) instead, and once there are
+many the session copies its sequence out and back in (llama_state_seq_get_data / set_data), in order, without them.
+
+A session holds one llama context (its KV memory) for one call; contexts are pooled, so one engine serves many
+threads, each call on a context of its own."""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from medusa_heads.engines.base import TargetOutput
+from medusa_heads.llamacpp import FLASH_ATTENTION, python_binding
+from medusa_heads.machine import isa
+from medusa_heads.tree.buffers import TreeBuffers
+
+MAX_SEQUENCES = 64  # sequence 0, a tree's root-to-leaf paths, and the spent cells' sequence (llama.cpp allows 256)
+SPENT = MAX_SEQUENCES - 1  # the sequence of rejected cells that stay where they lie: nobody attends to it
+BATCH = 512  # tokens one llama_decode takes (a longer prompt is prefilled in chunks)
+COMPACT_AT = 512  # spent cells that make a session copy its sequence out and back in, in order
+
+
+class LlamaCppEngine:
+    """A GGUF model in llama.cpp (engines/base.Engine). `weights`: the file's weight type as the cost tables name it
+    ("f32", "bf16", "q8_0", "q4_1", "q4_k_m"); `threads`: llama.cpp's threads for every decode."""
+
+    greedy_choices = False  # llama.cpp computes the logits of every output anyway: the loop takes argmaxes itself
+
+    def __init__(self, path: str | os.PathLike, weights: str, threads: int | None = None, n_ctx: int = 4096) -> None:
+        self.lib = llama = python_binding()
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(False)  # llama.cpp's errors only, as llama-cpp-python's Llama(verbose=False) has it
+        self.path, self.weights = Path(path), weights
+        self.threads = threads or torch.get_num_threads()
+        self.device = torch.device("cpu")
+        llama.llama_backend_init()
+        params = llama.llama_model_default_params()
+        self.model = llama.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.model:
+            raise ValueError(f"{self.path}: llama.cpp could not load this GGUF file (see its log above)")
+        self.vocab = llama.llama_model_get_vocab(self.model)
+        self.n_vocab = llama.llama_vocab_n_tokens(self.vocab)
+        self.n_embd = llama.llama_model_n_embd(self.model)
+        self.n_ctx = min(n_ctx, llama.llama_model_n_ctx_train(self.model) or n_ctx)
+        self._idle: list[_Context] = []
+        self._lock = threading.Lock()
+
+    def kernels(self) -> str:
+        return f"llamacpp-{self.weights}-cpu-{isa()}"
+
+    def find_cost(self, costs: dict) -> str | None:
+        """This weight type's table, measured on this ISA first; trees sized by another engine's table would be sized
+        for another step, so there is no fallback."""
+        exact = self.kernels()
+        return exact if exact in costs else next((k for k in sorted(costs) if k.startswith(f"llamacpp-{self.weights}-")),
+                                                 None)
+
+    def session(self, capacity: int) -> "LlamaCppSession":
+        if capacity > self.n_ctx:
+            raise ValueError(f"the prompt, max_new_tokens and the largest tree need {capacity} tokens, more than the "
+                             f"{self.n_ctx} of this llama.cpp context: shorten them, or load with a larger n_ctx")
+        with self._lock:
+            ctx = self._idle.pop() if self._idle else None
+        return LlamaCppSession(self, ctx or _Context(self))
+
+    def batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capacity: int):
+        raise ValueError("the llama.cpp engine decodes one prompt a call: generate them one at a time (batches run on "
+                         "the transformers engine)")
+
+    def release(self, ctx: "_Context") -> None:
+        self.lib.llama_memory_clear(ctx.memory, True)
+        with self._lock:
+            self._idle.append(ctx)
+
+    def close(self) -> None:
+        with self._lock:
+            for ctx in self._idle:
+                self.lib.llama_free(ctx.ctx)
+            self._idle = []
+        if self.model:
+            self.lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001: the interpreter may be shutting down
+            pass
+
+
+class _Context:
+    """One llama context: its KV memory, and a batch allocated once with numpy views over its arrays."""
+
+    def __init__(self, engine: LlamaCppEngine) -> None:
+        llama = engine.lib
+        params = llama.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = engine.n_ctx, BATCH, BATCH
+        params.n_threads = params.n_threads_batch = engine.threads
+        params.n_seq_max, params.kv_unified = MAX_SEQUENCES, True  # the paths' sequences share the prefix's cells
+        params.embeddings, params.pooling_type = True, llama.LLAMA_POOLING_TYPE_NONE
+        params.flash_attn_type = int(FLASH_ATTENTION)  # as llama.cpp's plain decoding runs (Plain): it changes bits
+        self.ctx = llama.llama_init_from_model(engine.model, params)
+        if not self.ctx:
+            raise ValueError(f"{engine.path}: llama.cpp could not make a context of {engine.n_ctx} tokens")
+        self.memory = llama.llama_get_memory(self.ctx)
+        self.batch = llama.llama_batch_init(BATCH, 0, MAX_SEQUENCES)
+        view = np.ctypeslib.as_array
+        self.token, self.pos = view(self.batch.token, (BATCH,)), view(self.batch.pos, (BATCH,))
+        self.n_seq_id, self.output = view(self.batch.n_seq_id, (BATCH,)), view(self.batch.logits, (BATCH,))
+        self.seq_id = [view(self.batch.seq_id[i], (MAX_SEQUENCES,)) for i in range(BATCH)]
+
+
+class LlamaCppSession:
+    """One call's sequence on a pooled llama context (engines/base.Session)."""
+
+    def __init__(self, engine: LlamaCppEngine, ctx: _Context) -> None:
+        self.engine, self.lib, self.c = engine, engine.lib, ctx
+        self.past = 0
+        self.spent = 0  # cells of rejected nodes left in place, on sequence SPENT
+        self._paths = 0  # sequences 1..paths hold the last verified tree's paths (0: it ran on sequence 0 alone)
+        self._leaf_path: np.ndarray | None = None  # (T,) a path through each node of the last tree, 0 for none
+
+    def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
+        """The prompt as llama.cpp's own plain decoding reads it (llama-cpp-python's Llama.eval): chunks of BATCH
+        tokens, the last of each an output, embeddings off. A chunk's size and its outputs change the bits of its
+        rows in some kernels, so the prompt's cache and the first token are then those of its plain decoding; the
+        price is no hidden state here: the loop's first step verifies the root alone."""
+        ids = input_ids[0].tolist()
+        self.lib.llama_set_embeddings(self.c.ctx, False)
+        for start in range(0, len(ids), BATCH):
+            chunk = ids[start : start + BATCH]
+            out = self._decode(chunk, np.arange(start, start + len(chunk)), None, outputs="last")
+        self.lib.llama_set_embeddings(self.c.ctx, True)
+        self.past = len(ids)
+        return out
+
+    def verify(self, tokens: torch.Tensor, buffers: TreeBuffers, greedy: bool) -> TargetOutput:
+        paths = _paths(buffers)  # (T, P) which root-to-leaf paths run through each node
+        n_paths = paths.shape[1]
+        if n_paths + 2 > MAX_SEQUENCES:
+            raise ValueError(f"a tree of {n_paths} leaves: the llama.cpp engine takes at most {MAX_SEQUENCES - 2}")
+        if n_paths > 1:
+            for s in range(1, n_paths + 1):
+                self.lib.llama_memory_seq_cp(self.c.memory, 0, s, -1, -1)
+        self._paths = n_paths if n_paths > 1 else 0
+        positions = self.past + buffers.depth.cpu().numpy()
+        self._positions = positions
+        return self._decode(tokens.tolist(), positions, paths if n_paths > 1 else None)
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """The cells of the accepted path (a sequence's, from the root) get sequence 0; rejected cells after the last
+        accepted one in the batch (so in the buffer) are freed, those before it are spent (see the module's doc)."""
+        n, mem, llama = keep.shape[0], self.c.memory, self.lib
+        end = self.past + n
+        if self._paths:
+            last = int(keep[-1])
+            path = int(self._leaf_path[last])  # a path through the last accepted node holds the whole path
+            llama.llama_memory_seq_cp(mem, path, 0, self.past, end)
+            accepted = set(keep.tolist())
+            for i in range(1, last):
+                if i not in accepted:
+                    q = int(self._positions[i])  # path leaf_path[i] holds node i alone at its position
+                    llama.llama_memory_seq_cp(mem, int(self._leaf_path[i]), SPENT, q, q + 1)
+                    self.spent += 1
+            for s in range(1, self._paths + 1):
+                llama.llama_memory_seq_rm(mem, s, -1, -1)
+        else:  # a chain on sequence 0: its accepted nodes are its first n
+            llama.llama_memory_seq_rm(mem, 0, end, -1)
+        self.past, self._paths = end, 0
+        if self.spent >= COMPACT_AT:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Sequence 0 copied out and back into an empty memory: its cells in position order, the spent ones gone."""
+        llama, ctx = self.lib, self.c.ctx
+        size = llama.llama_state_seq_get_size(ctx, 0)
+        buffer = (ctypes.c_uint8 * size)()
+        if llama.llama_state_seq_get_data(ctx, buffer, size, 0) != size:
+            raise RuntimeError("llama.cpp could not copy out the sequence's cache")
+        llama.llama_memory_clear(self.c.memory, True)
+        if llama.llama_state_seq_set_data(ctx, buffer, size, 0) != size:
+            raise RuntimeError("llama.cpp could not copy the sequence's cache back in")
+        self.spent = 0
+
+    def rollback(self) -> None:
+        for s in range(1, self._paths + 1):
+            self.lib.llama_memory_seq_rm(self.c.memory, s, -1, -1)
+        self.lib.llama_memory_seq_rm(self.c.memory, 0, self.past, -1)
+        self._paths = 0
+
+    def close(self) -> None:
+        if self.c is not None:
+            self.engine.release(self.c)
+            self.c = None
+
+    def _decode(self, tokens: list[int], positions: np.ndarray, paths: np.ndarray | None,
+                outputs: str = "all") -> TargetOutput:
+        """One llama_decode of `tokens` at `positions`: on sequence 0, or on the paths through each node. outputs:
+        "all" (logits and hidden states of every token), or "last" (the last token's logits alone)."""
+        c, t = self.c, len(tokens)
+        c.token[:t], c.pos[:t], c.output[:t] = tokens, positions, outputs == "all"
+        c.output[t - 1] = True
+        if paths is None:
+            c.n_seq_id[:t] = 1
+            for i in range(t):
+                c.seq_id[i][0] = 0
+        else:
+            c.n_seq_id[:t] = paths.sum(1)
+            self._leaf_path = np.zeros(t, dtype=np.int64)
+            for i in range(t):
+                ids = paths[i].nonzero()[0] + 1
+                c.seq_id[i][: len(ids)] = ids
+                self._leaf_path[i] = ids[0]
+        c.batch.n_tokens = t
+        status = self.lib.llama_decode(c.ctx, c.batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed ({status}) on {t} tokens at position {int(positions[0])}")
+        llama, e, n = self.lib, self.engine, t if outputs == "all" else 1
+        logits = np.ctypeslib.as_array(llama.llama_get_logits(c.ctx), (n, e.n_vocab))
+        if outputs != "all":
+            return TargetOutput(logits=torch.from_numpy(logits.copy()), hidden=None)
+        hidden = np.ctypeslib.as_array(llama.llama_get_embeddings(c.ctx), (n, e.n_embd))
+        return TargetOutput(logits=torch.from_numpy(logits.copy()), hidden=torch.from_numpy(hidden.copy()))
+
+
+def _paths(buffers: TreeBuffers) -> np.ndarray:
+    """(T, P) bool: node i lies on root-to-leaf path p (the tree's leaves in node order)."""
+    mask = buffers.mask.cpu().numpy()  # (T, T): mask[i, j] = j is i or an ancestor of i
+    leaves = ~(mask.sum(0) > 1)  # a node that is nobody's ancestor but its own
+    return mask[leaves].T.copy()
+
+
+def open_gguf(base, gguf: str | os.PathLike, threads: int | None = None) -> LlamaCppEngine:
+    """The llama.cpp engine for transformers model `base`: `gguf` is a GGUF file of the same model, or a weight type
+    ("f32", "bf16", "q8_0", "q4_1", "q4_k_m") to make from base's folder with llama.cpp's own converter and quantizer
+    (once, cached)."""
+    from medusa_heads import llamacpp
+
+    if str(gguf).lower() in llamacpp.WEIGHTS:
+        folder = Path(str(getattr(base, "name_or_path", "") or ""))
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"gguf={gguf!r} converts the base model's own folder, and this base was not loaded from "
+                             "one: load it by path, or pass gguf= a GGUF file")
+        return LlamaCppEngine(llamacpp.gguf(folder, str(gguf).lower()), str(gguf).lower(), threads)
+    path = Path(gguf)
+    if not path.is_file():
+        raise FileNotFoundError(f"gguf={str(gguf)!r}: no such file; give a GGUF file or one of "
+                                f"{', '.join(llamacpp.WEIGHTS)}")
+    return LlamaCppEngine(path, llamacpp.file_weights(path), threads)
