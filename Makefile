@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test test-vllm vllm-setup test-llamacpp llamacpp-setup bench clean
+.PHONY: setup demo test test-vllm vllm-setup test-llamacpp llamacpp-setup bench bench-llamacpp clean
 
 setup: $(VENV)/.installed
 
@@ -57,7 +57,7 @@ llamacpp-setup: setup
 	$(PY) -c "from medusa_heads import llamacpp as l; l.python_binding(); l.server_binary()"
 
 test-llamacpp: llamacpp-setup
-	$(PY) -m pytest -q -m llamacpp tests/test_llamacpp.py
+	$(PY) -m pytest -q -m llamacpp tests/test_llamacpp.py tests/test_llamacpp_engine.py
 
 # The standard benchmark set behind README's results table: each run writes results.md, results.json and
 # speedup.png into its folder of results/ (see that folder's README.md). About 55 minutes on the 2-core CPU, from the
@@ -74,6 +74,16 @@ bench: setup
 	$(MH) bench --prompts $(UNSEEN_PROMPTS) --methods hf,pld,medusa --long-tokens 0 --out results/unseen
 	$(MH) bench --prompts $(BENCH_PROMPTS) --batch-sizes 2,4,8 --limit 16 --out results/batch
 	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,pld,medusa,llamacpp --long-tokens 0 --out results/llamacpp
+
+# The heads on llama.cpp against llama.cpp's own decoding of the same GGUF at each weight type, and its n-gram
+# self-speculation, one process, methods alternating per prompt (results/llamacpp/heads/; about 35 minutes on two
+# cores). BF16 is left out where the CPU has no bf16 instructions (llama.cpp emulates them there).
+LLAMA_HEADS := medusa-llamacpp-f32,medusa-llamacpp-q8_0,medusa-llamacpp-q4_1,medusa-llamacpp-q4_k_m,llamacpp-f32,llamacpp-q8_0,llamacpp-q4_1,llamacpp-q4_k_m,llamacpp-ngram-simple,llamacpp-q8_0-ngram-simple,llamacpp-q4_k_m-ngram-simple
+
+bench-llamacpp: llamacpp-setup
+	$(MH) bench --prompts $(BENCH_PROMPTS) --methods $(LLAMA_HEADS) --long-tokens 0 --out results/llamacpp/heads
+	mkdir -p runs && cat data/bench_prompts_fresh.jsonl data/bench_prompts_new.jsonl > $(UNSEEN_PROMPTS)
+	$(MH) bench --prompts $(UNSEEN_PROMPTS) --methods $(LLAMA_HEADS) --long-tokens 0 --out results/llamacpp/heads/unseen
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

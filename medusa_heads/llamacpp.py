@@ -34,13 +34,13 @@ NGRAM_MODES = {
     "ngram-mod": [],
     "ngram-cache": [],
 }
-NGRAM_WEIGHTS = ("f32", "bf16", "q8_0")  # weights its n-gram modes run at besides F32: "llamacpp-q8_0-ngram-simple"
+NGRAM_WEIGHTS = ("f32", "bf16", "q8_0")  # the weights "llamacpp" stands for
 # plain decoding at each weight type; n-gram self-speculation (F32: "llamacpp-ngram-simple"; other weights:
 # "llamacpp-q8_0-ngram-simple"); and the heads on llama.cpp ("medusa-llamacpp-q8_0", engines/llamacpp.py)
 METHODS = (tuple(f"llamacpp-{w}" for w in WEIGHTS) + tuple(f"llamacpp-{m}" for m in NGRAM_MODES)
-           + tuple(f"llamacpp-{w}-{m}" for w in NGRAM_WEIGHTS[1:] for m in NGRAM_MODES)
+           + tuple(f"llamacpp-{w}-{m}" for w in WEIGHTS[1:] for m in NGRAM_MODES)
            + tuple(f"medusa-llamacpp-{w}" for w in WEIGHTS))
-FLASH_ATTENTION = True  # llama.cpp's flash attention, in its plain decoding and under the heads alike (it changes bits)
+FLASH_ATTENTION = True  # as llama.cpp decodes on a CPU by default; it changes bits, so the heads and their reference agree
 BUILD_MINUTES = 9  # both builds on two cores, about
 
 

@@ -43,7 +43,7 @@ class LlamaCppEngine:
 
     greedy_choices = False  # llama.cpp computes the logits of every output anyway: the loop takes argmaxes itself
 
-    def __init__(self, path: str | os.PathLike, weights: str, threads: int | None = None, n_ctx: int = 4096) -> None:
+    def __init__(self, path: str | os.PathLike, weights: str, threads: int | None = None, n_ctx: int = 8192) -> None:
         self.lib = llama = python_binding()
         from llama_cpp._logger import set_verbose
 
