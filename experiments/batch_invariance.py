@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from medusa_heads.inference.prepack import PackedWeight
+from medusa_heads.kernels.prepack import PackedWeight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from common import emit  # noqa: E402  scripts/common.py
@@ -34,7 +34,7 @@ def product_rows(dtype: torch.dtype, k: int, n: int, packed: bool) -> str:
     w = torch.randn(n, k, dtype=dtype) * 0.05
     x = torch.randn(max(ROWS), k, dtype=dtype)
     if packed:
-        pk = PackedWeight(w, 8)  # the library's oneDNN product (inference/prepack.py)
+        pk = PackedWeight(w, 8)  # the library's oneDNN product (medusa_heads/kernels/prepack.py)
         run = lambda a: pk(a, w)  # noqa: E731
     else:
         run = lambda a: a @ w.T  # noqa: E731

@@ -16,7 +16,7 @@ import torch
 from medusa_heads import default_model_path
 from medusa_heads.machine import cpu_name
 from medusa_heads.engines.hf_cache import crop_to, new_cache
-from medusa_heads.inference.exact_attention import NAME, register
+from medusa_heads.kernels.exact_attention import NAME, register
 from medusa_heads.engines.hf import Target
 from medusa_heads.loading import load_base
 from medusa_heads.tree.buffers import from_parents

@@ -14,7 +14,7 @@ import torch
 from medusa_heads import MedusaModel, default_model_path, prompt_ids
 from medusa_heads.machine import cpu_name
 from medusa_heads.cli.commands import _read_prompts
-from medusa_heads.inference import exact_attention
+from medusa_heads.kernels import exact_attention
 
 from ab_loop import alternate  # noqa: E402  (experiments/ is the script's folder)
 

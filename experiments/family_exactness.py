@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """bf16 and int8 by family: each family's tiny random model (tests/families.py, and a few more) saved and loaded by
 path as a user loads a checkpoint, in bf16 and with int8 linears on this CPU; whether MedusaModel says its greedy
-output is the model's plain decoding bit for bit (`exact`, checked at load: inference/exactness.py) and why not, and
+output is the model's plain decoding bit for bit (`exact`, checked at load: medusa_heads/kernels/exactness.py) and why not, and
 whether greedy output with random heads equals the model's own `generate` on 3 prompts of 40 new tokens.
 
     python experiments/family_exactness.py --out results/families/exactness.md

@@ -1,4 +1,4 @@
-"""fp32 linears packed for MKL's SGEMM (`inference/prepack.py: MklPackedLinear`) against oneDNN's packed product,
+"""fp32 linears packed for MKL's SGEMM (`medusa_heads/kernels/prepack.py: MklPackedLinear`) against oneDNN's packed product,
 two copies of the model in one process:
 1. one target forward by the number of new tokens (1: a plain step; more: a verify), 300 cached tokens, the two
    builds alternating step by step, the median of 55 steps after 5 warm-ups;

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from medusa_heads.machine import cpu_name
-from medusa_heads.inference.int8 import Int8Linear, quantize_rows
+from medusa_heads.kernels.int8 import Int8Linear, quantize_rows
 
 SHAPES = {"q, o (576 → 576)": (576, 576), "k, v (576 → 192)": (192, 576), "gate, up (576 → 1536)": (1536, 576),
           "down (1536 → 576)": (576, 1536), "LM head (576 → 49,152)": (49152, 576)}

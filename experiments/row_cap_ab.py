@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""bf16 batches with and without the row cap (inference/exactness.py: cap_rows), in one process, alternating per
+"""bf16 batches with and without the row cap (medusa_heads/kernels/exactness.py: cap_rows), in one process, alternating per
 batch, with transformers' batched `generate` on the same model as the reference and the yardstick: what splitting
 products past the rows where oneDNN's bf16 kernel changes a row's bits costs, and what it buys (rows whose greedy
 output leaves generate's). Each build's heads are compared with `generate` on that build's kernels: the split also
@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path
 from medusa_heads.machine import cpu_name
-from medusa_heads.inference.exactness import _products
+from medusa_heads.kernels.exactness import _products
 from medusa_heads.prompting import eos_ids, prompt_text, user_turn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

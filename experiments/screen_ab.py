@@ -1,4 +1,4 @@
-"""One process, the greedy verify's argmax through the LM head's bf16 screen (inference/screen.py) against the full
+"""One process, the greedy verify's argmax through the LM head's bf16 screen (medusa_heads/kernels/screen.py) against the full
 fp32 LM head, alternating per prompt (which goes first alternates too), the shipped heads and per-step tree.
 
     python experiments/screen_ab.py --prompts data/bench_prompts.jsonl data/bench_prompts_fresh.jsonl \

@@ -1,4 +1,4 @@
-"""Sibling linears as one product (q, k and v stacked; gate and up stacked: `inference/prepack.py: Siblings`)
+"""Sibling linears as one product (q, k and v stacked; gate and up stacked: `medusa_heads/kernels/prepack.py: Siblings`)
 against each linear's own product, two copies of the model in one process, alternating per prompt, greedy; each
 build's own `generate` as its yardstick, and each build's outputs compared with it.
 
@@ -14,7 +14,7 @@ import torch
 from medusa_heads import MedusaModel, default_model_path
 from medusa_heads.machine import cpu_name
 from medusa_heads.cli.commands import _read_prompts
-from medusa_heads.inference import int8, prepack
+from medusa_heads.kernels import int8, prepack
 
 from ab_loop import builds_ab  # noqa: E402  (experiments/ is the script's folder)
 

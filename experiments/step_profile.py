@@ -22,7 +22,7 @@ import torch
 from medusa_heads import MedusaModel
 from medusa_heads.machine import cpu_name
 from medusa_heads.engines.hf_cache import crop_to, new_cache
-from medusa_heads.inference.prepack import PackedLinear
+from medusa_heads.kernels.prepack import PackedLinear
 from medusa_heads.engines.hf import target_cache_kw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

@@ -1,11 +1,25 @@
 """Acceptance rules: which drafted path the target agrees with. Pure tensor functions."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from transformers import LogitsProcessorList
 
 from medusa_heads.tree.buffers import TreeBuffers
 from medusa_heads.inference.sampling import draw, sample, target_probs
+
+
+class AcceptRule(Protocol):
+    greedy: bool  # its choice at a node is the target's argmax: the target may hand over argmaxes, not logits
+
+    def first(self, logits: torch.Tensor) -> int:
+        """(1, V) prefill logits -> the first new token."""
+        ...
+
+    def accept(self, tree_tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, int]:
+        """(T,), (T, V) -> (accepted node indices, root first; the target's own next token)."""
+        ...
 
 
 def longest_path(match: torch.Tensor, buffers: TreeBuffers) -> tuple[int, int]:

@@ -9,25 +9,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
-from medusa_heads.inference.accept import accept_choices
+from medusa_heads.inference.accept import AcceptRule, accept_choices
 from medusa_heads.inference.propose import Draft
 from medusa_heads.inference.sampling import process_tree
 from medusa_heads.engines.base import Engine, Session, TargetOutput
 
 if TYPE_CHECKING:
     from medusa_heads.inference.plan import DecodePlan
-
-class AcceptRule(Protocol):
-    greedy: bool  # its choice at a node is the target's argmax: the target may hand over argmaxes, not logits
-
-    def first(self, logits: torch.Tensor) -> int:
-        """(1, V) prefill logits -> the first new token."""
-        ...
-
-    def accept(self, tree_tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, int]:
-        """(T,), (T, V) -> (accepted node indices, root first; the target's own next token)."""
-        ...
-
 
 @dataclass
 class DecodeStats:

@@ -14,9 +14,8 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from medusa_heads.engines.base import Engine
 from medusa_heads.heads import MedusaHeads
-from medusa_heads.inference.accept import TargetChoice, TypicalAcceptance
+from medusa_heads.inference.accept import AcceptRule, TargetChoice, TypicalAcceptance
 from medusa_heads.inference.adaptive import AdaptiveDrafter, DraftObserver
-from medusa_heads.inference.decode import AcceptRule
 from medusa_heads.inference.propose import MAX_NGRAM, MIN_NGRAM, Draft, Drafter, HeadsDrafter, LookupDrafter
 from medusa_heads.inference.sampling import build_processors, build_warpers
 from medusa_heads.tree import TreeSpec, load_tree
@@ -35,7 +34,7 @@ class DecodePlan:
     buffers: TreeBuffers  # the tree handed to the drafter at each step (a per-step drafter replaces it)
     rule: AcceptRule
     processors: LogitsProcessorList | None  # context-dependent processors, run at each node on its own path
-    greedy: bool  # the target may hand over each node's argmax instead of its logits (inference/screen.py)
+    greedy: bool  # the target may hand over each node's argmax instead of its logits (medusa_heads/kernels/screen.py)
     tree: str  # what the call drafts: "adaptive", "plain" or "fixed, N nodes"
     max_size: int  # the most tree tokens (root included) a step may verify: the cache is sized for it
 

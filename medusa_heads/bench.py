@@ -14,8 +14,8 @@ from medusa_heads import llamacpp
 from medusa_heads.config import DEFAULT_TREE
 from medusa_heads.corpus import PromptRow
 from medusa_heads.engines.llamacpp import LlamaCppEngine
-from medusa_heads.inference.int8 import is_int8
-from medusa_heads.inference.prepack import is_prepacked, stock_kernels
+from medusa_heads.kernels.int8 import is_int8
+from medusa_heads.kernels.prepack import is_prepacked, stock_kernels
 from medusa_heads.llamacpp import METHODS as LLAMACPP_METHODS, plain_reference, split_method
 from medusa_heads.machine import hardware
 from medusa_heads.prompting import eos_ids, prompt_ids, prompt_text, user_turn
@@ -24,7 +24,7 @@ from medusa_heads.tree import list_presets
 
 class ForwardCounter:
     """Counts target forwards (to get tau for any method, transformers' own included): the calls of its decoder,
-    which every forward runs, the model's own and a greedy verify's without the LM head (inference/screen.py)."""
+    which every forward runs, the model's own and a greedy verify's without the LM head (medusa_heads/kernels/screen.py)."""
 
     def __init__(self, model) -> None:
         self.calls = 0

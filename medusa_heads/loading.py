@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from medusa_heads.default_model import DEFAULT_MODEL, check_model_name, resolve_model  # noqa: F401 (check_model_name: its old home)
-from medusa_heads.inference.prepack import packs, prepack_linears
+from medusa_heads.kernels.prepack import packs, prepack_linears
 
 
 def is_gguf(name: str | os.PathLike) -> bool:
@@ -26,7 +26,7 @@ def source(name: str | os.PathLike) -> str | Path:
 def load_base(name: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
               prepack: bool | None = None, frozen: bool = True, **kwargs) -> PreTrainedModel:
     """A causal LM by name (the embedded default's, a local directory or a hub id), in eval mode, frozen unless
-    `frozen=False` (joint training adapts it). prepack: run its linears through oneDNN (inference/prepack.py);
+    `frozen=False` (joint training adapts it). prepack: run its linears through oneDNN (medusa_heads/kernels/prepack.py);
     None = on when it lands on a CPU that packs its dtype (`packs`). kwargs go to AutoModelForCausalLM.from_pretrained."""
     where = source(name)
     if is_gguf(name):  # dequantised by transformers' GGUF loader

@@ -22,13 +22,13 @@ from medusa_heads.heads import MedusaHeads
 from medusa_heads.inference.adaptive import AdaptiveDrafter, DraftObserver
 from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
-from medusa_heads.inference.exactness import exactness_problem, has_attention_sinks, promises_exact
-from medusa_heads.inference.exact_attention import register as register_exact_attention, rows_invariant, uses_exact_attention
-from medusa_heads.inference.int8 import int8_rows_invariant, int8_supported, quantize_linears
+from medusa_heads.kernels.exactness import has_attention_sinks, promises_exact
+from medusa_heads.kernels.exact_attention import register as register_exact_attention, rows_invariant, uses_exact_attention
+from medusa_heads.kernels.int8 import int8_rows_invariant, int8_supported, quantize_linears
 from medusa_heads.inference.plan import ADAPTIVE, Drafting, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
-from medusa_heads.inference.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
-from medusa_heads.inference.support import check_tree_attention
+from medusa_heads.kernels.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
+from medusa_heads.engines.hf_probes import check_tree_attention, exactness_problem
 from medusa_heads.engines.base import Engine
 from medusa_heads.engines.hf import Target
 from medusa_heads.engines.llamacpp import open_gguf

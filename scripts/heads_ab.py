@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from medusa_heads import MedusaModel, prompt_ids
 from medusa_heads.cli.commands import DTYPES
-from medusa_heads.inference.prepack import prepack_linears
+from medusa_heads.kernels.prepack import prepack_linears
 from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.corpus import read_prompts
 from common import emit  # scripts/common.py: this script's folder is on the path

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path, prompt_ids
 from medusa_heads.inference.adaptive import PRIOR, AdaptiveDrafter, Candidates, Correction
-from medusa_heads.inference.exact_attention import uses_exact_attention
-from medusa_heads.inference.prepack import bf16_supported, is_prepacked
+from medusa_heads.kernels.exact_attention import uses_exact_attention
+from medusa_heads.kernels.prepack import bf16_supported, is_prepacked
 from medusa_heads.inference.propose import Draft, RowDrafter
 from medusa_heads.machine import cost_key, find_cost, hardware, kernels_key
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, best_size, expected_tokens, isotonic

@@ -43,7 +43,7 @@ def test_bench_writes_tables_and_greedy_methods_match(tmp_path, real_base):
     sizes = result["verify_sizes"]  # medusa here: the fixed 8-node tree, heads only (new heads have no lookup)
     assert set(sizes) == {9} and abs(sum(v["share"] for v in sizes.values()) - 1) < 1e-9
     assert all(1 <= v["tokens_per_step"] <= size for size, v in sizes.items())
-    # tau counts every target forward, greedy verifies without the LM head (inference/screen.py) included
+    # tau counts every target forward, greedy verifies without the LM head (medusa_heads/kernels/screen.py) included
     assert 1.0 <= result["overall"]["medusa"]["mean_accepted"] <= sizes[9]["tokens_per_step"]
     assert ("Tree tokens verified per step by `medusa` (root included; share of steps, new tokens per step): "
             f"9: 100.0%, {sizes[9]['tokens_per_step']:.2f}\n") in table

@@ -184,7 +184,7 @@ def test_cost_model_measured_stored_and_merged_by_kernels():
 
 def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     from medusa_heads.cli import main
-    from medusa_heads.inference.prepack import bf16_supported, mkl_packs, prepack_supported
+    from medusa_heads.kernels.prepack import bf16_supported, mkl_packs, prepack_supported
     from medusa_heads.training.features import features_from_conversations
     from medusa_heads.calibration.measure import second_half
 

@@ -219,7 +219,7 @@ def test_bench_writes_to_a_fresh_run_folder_by_default(files, capsys, monkeypatc
 
 
 def test_bench_runs_an_int8_target_against_its_own_plain_decoding(files, capsys, tmp_path):
-    from medusa_heads.inference.int8 import int8_supported
+    from medusa_heads.kernels.int8 import int8_supported
 
     if not int8_supported():
         pytest.skip("this PyTorch has no oneDNN int8 linear")

@@ -1,7 +1,7 @@
 """bf16's promise, tested on every CPU.
 
 Where this CPU's bf16 products give a row the same bits whatever the rows beside it (`rows_invariant`), the
-row-exact attention (inference/exact_attention.py) makes a tree verify's every row, bit for bit, the plain step that
+row-exact attention (medusa_heads/kernels/exact_attention.py) makes a tree verify's every row, bit for bit, the plain step that
 would have computed that token, and greedy output equals plain greedy decoding token for token. Where they do not,
 loading says so, `model.exact` is False, a tree row differs from its plain step by rounding only, and greedy output
 may leave plain decoding only at a near-tie: where the reference's own top two logits are within NEAR_TIE bf16 steps.
@@ -22,10 +22,10 @@ from torch import nn
 
 from medusa_heads import MedusaModel
 from medusa_heads.engines.hf_cache import crop_to, new_cache
-from medusa_heads.inference.exact_attention import (NAME, register, rows_invariant, use_exact_attention,
+from medusa_heads.kernels.exact_attention import (NAME, register, rows_invariant, use_exact_attention,
                                                     uses_exact_attention)
 from medusa_heads.engines.hf import Target
-from medusa_heads.inference.prepack import packs
+from medusa_heads.kernels.prepack import packs
 from medusa_heads.tree.buffers import from_parents
 
 from conftest import randomize_heads, tiny_model
@@ -250,7 +250,7 @@ def test_the_window_changes_the_bf16_output():
 
 def test_a_bf16_batch_past_the_32_row_split_is_each_rows_plain_greedy():
     """Three rows of a 16-token tree: 48 rows a verify, past the 32 rows from which oneDNN's bf16 kernels with AMX
-    round a row otherwise (inference/prepack.py splits products there: cap_rows). Each row's output is its plain greedy
+    round a row otherwise (medusa_heads/kernels/prepack.py splits products there: cap_rows). Each row's output is its plain greedy
     decoding alone."""
     base = bf16_model("llama")
     model, _ = load(base, tree="cpu-16", prepack=packs(torch.bfloat16))  # packed where this CPU can
@@ -312,7 +312,7 @@ def test_from_pretrained_gives_a_bf16_base_it_loads_the_exact_attention(tmp_path
 
 
 def test_attention_sinks_are_refused_in_one_line():
-    from medusa_heads.inference.exact_attention import exact_attention
+    from medusa_heads.kernels.exact_attention import exact_attention
 
     q = torch.zeros(1, 2, 1, 4)
     with pytest.raises(ValueError, match="attention sinks are not supported"):

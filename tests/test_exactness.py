@@ -1,5 +1,5 @@
 """bf16 and int8 promise greedy output equal to the model's plain decoding bit for bit: checked on the model at hand
-(inference/exactness.py), with products split where this CPU's kernel changes with the rows, and a warning where the
+(medusa_heads/kernels/exactness.py), with products split where this CPU's kernel changes with the rows, and a warning where the
 promise cannot hold.
 
 The probes are tested on products built to be row-invariant and products built not to be, whatever this CPU's own
@@ -17,10 +17,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from medusa_heads import MedusaModel
 from medusa_heads.engines.hf_cache import crop_to, new_cache
-from medusa_heads.inference.exact_attention import rows_invariant, use_exact_attention
-from medusa_heads.inference.exactness import cap_rows, first_dependent_rows
-from medusa_heads.inference.int8 import Int8Linear, int8_rows_invariant, int8_supported, quantize_weight
-from medusa_heads.inference.prepack import PackedLinear, packs
+from medusa_heads.kernels.exact_attention import rows_invariant, use_exact_attention
+from medusa_heads.kernels.exactness import cap_rows, first_dependent_rows
+from medusa_heads.kernels.int8 import Int8Linear, int8_rows_invariant, int8_supported, quantize_weight
+from medusa_heads.kernels.prepack import PackedLinear, packs
 from medusa_heads.engines.hf import Target
 from medusa_heads.tree.buffers import from_parents
 
@@ -102,7 +102,7 @@ def test_rows_invariant_tells_row_invariant_products_from_others(monkeypatch, li
 
     monkeypatch.setattr(nn.functional, "linear", built("linear", linear))
     monkeypatch.setattr(torch, "matmul", built("matmul", matmul))
-    monkeypatch.setattr("medusa_heads.inference.prepack.packs", lambda dtype: False)  # the stock products only
+    monkeypatch.setattr("medusa_heads.kernels.prepack.packs", lambda dtype: False)  # the stock products only
     probe = rows_invariant.__wrapped__  # uncached
     assert probe(torch.bfloat16, "cpu", ((48, 64), (64, 48))) is invariant
 
@@ -133,7 +133,7 @@ INT8_GEMMS = {
 @pytest.mark.parametrize("gemm", sorted(INT8_GEMMS))
 def test_int8_rows_invariant_tells_exact_integer_sums_from_others(monkeypatch, gemm):
     fake, exact = INT8_GEMMS[gemm]
-    monkeypatch.setattr("medusa_heads.inference.int8.int8_supported", lambda: True)
+    monkeypatch.setattr("medusa_heads.kernels.int8.int8_supported", lambda: True)
     monkeypatch.setattr(Int8Linear, "pack", _unpacked)
     monkeypatch.setattr(Int8Linear, "gemm", fake)
     assert int8_rows_invariant.__wrapped__(torch.bfloat16) is exact
@@ -259,7 +259,7 @@ def test_the_attention_counter_counts_this_threads_calls_only():
     """The load check reads it before and after its probe: a forward in another thread must not move it."""
     import threading
 
-    from medusa_heads.inference import exact_attention
+    from medusa_heads.kernels import exact_attention
 
     base = tiny_model("llama").to(torch.bfloat16)
     use_exact_attention(base)

@@ -220,7 +220,7 @@ def test_mlp_heads_start_as_the_base_lm_head_round_trip_and_refuse_the_reference
 
 @pytest.mark.parametrize("prepacked", [False, True])
 def test_drafting_projects_the_path_in_one_product_equal_to_the_per_slot_sum_and_follows_new_weights(prepacked):
-    from medusa_heads.inference.prepack import prepack_heads, prepack_supported
+    from medusa_heads.kernels.prepack import prepack_heads, prepack_supported
 
     if prepacked and not prepack_supported():
         pytest.skip("no oneDNN packed linear in this PyTorch build")

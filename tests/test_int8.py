@@ -1,4 +1,4 @@
-"""int8 made exact: weights per channel, activations per row, summed in int32 by oneDNN (inference/int8.py), so a
+"""int8 made exact: weights per channel, activations per row, summed in int32 by oneDNN (medusa_heads/kernels/int8.py), so a
 tree verify's every row is the int8 model's plain step bit for bit, and greedy output equals its plain greedy
 decoding token for token.
 
@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from medusa_heads import MedusaModel
-from medusa_heads.inference.exact_attention import NAME, rows_invariant, use_exact_attention, uses_exact_attention
-from medusa_heads.inference.int8 import LO_STEPS, Int8Linear, int8_rows_invariant, int8_supported, is_int8, quantize_linears, quantize_rows, quantize_weight
-from medusa_heads.inference.prepack import bf16_supported, is_prepacked, stock_kernels
+from medusa_heads.kernels.exact_attention import NAME, rows_invariant, use_exact_attention, uses_exact_attention
+from medusa_heads.kernels.int8 import LO_STEPS, Int8Linear, int8_rows_invariant, int8_supported, is_int8, quantize_linears, quantize_rows, quantize_weight
+from medusa_heads.kernels.prepack import bf16_supported, is_prepacked, stock_kernels
 from medusa_heads.machine import find_cost, kernels_key
 
 from conftest import randomize_heads, tiny_model
@@ -28,7 +28,7 @@ needs_int8 = pytest.mark.skipif(not int8_supported(), reason="this PyTorch build
 
 def int8_memo():
     """The levels the last int8 linear of this thread quantised (what its siblings would reuse)."""
-    from medusa_heads.inference import int8
+    from medusa_heads.kernels import int8
 
     return int8._last.memo[2]
 
@@ -136,7 +136,7 @@ def test_every_tree_row_of_the_real_model_is_its_plain_step():
     """SmolLM2's int8 linears at their real sizes (the LM head's 49,152 rows included). Long contexts are the
     attention's part, the same as in bf16: tests/test_exact.py checks them up to 1,024 tokens."""
     from medusa_heads import default_model_path
-    from medusa_heads.inference.exact_attention import register
+    from medusa_heads.kernels.exact_attention import register
     from medusa_heads.loading import load_base
 
     base = load_base(default_model_path(), dtype=torch.bfloat16, attn_implementation=register(), prepack=False)
@@ -169,7 +169,7 @@ def test_from_pretrained_loads_int8_in_bf16_with_the_exact_attention_where_the_c
 def test_a_cpu_whose_int8_sums_are_not_exact_is_warned_of_and_not_exact(monkeypatch):
     """Even where the load check's small probe finds no row that differs: the probe cannot see a kernel that changes
     past its rows, and the int8 products are split nowhere."""
-    for module in ("medusa_heads.model", "medusa_heads.inference.int8"):
+    for module in ("medusa_heads.model", "medusa_heads.kernels.int8"):
         monkeypatch.setattr(f"{module}.int8_rows_invariant", lambda dtype: False)
     base = tiny_model("llama").to(torch.bfloat16)
     use_exact_attention(base)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from medusa_heads import MedusaModel
-from medusa_heads.inference import layers
+from medusa_heads.kernels import layers
 from medusa_heads.inference.propose import RowDrafter
 
 from conftest import randomize_heads

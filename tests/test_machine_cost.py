@@ -143,7 +143,7 @@ def test_the_shipped_heads_name_the_machines_their_tables_came_from():
 def test_other_kernels_sized_by_the_same_table_are_timed_and_cached_apart(machine_costs, tmp_path, monkeypatch):
     """An fp32 model on MKL's packed products takes oneDNN's stored table where it has none of its own, but what this
     machine timed for one kernel is never read for the other."""
-    from medusa_heads.inference.prepack import prepack_linears
+    from medusa_heads.kernels.prepack import prepack_linears
 
     def packed_model(kernel: str):
         monkeypatch.setenv("MEDUSA_HEADS_FP32_KERNEL", kernel)

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked linears (inference/prepack.py): same model, same weights, same greedy output."""
+"""oneDNN-prepacked linears (medusa_heads/kernels/prepack.py): same model, same weights, same greedy output."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from medusa_heads import MedusaModel
-from medusa_heads.inference.prepack import (
+from medusa_heads.kernels.prepack import (
     MklPackedLinear, PackedLinear, Siblings, bf16_supported, is_prepacked, mkl_packs, packs, prepack_linears,
     prepack_supported, stock_kernels,
 )

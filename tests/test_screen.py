@@ -1,4 +1,4 @@
-"""The greedy verify's argmax through a bf16 screen of the LM head (inference/screen.py): always the model's own."""
+"""The greedy verify's argmax through a bf16 screen of the LM head (medusa_heads/kernels/screen.py): always the model's own."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,8 @@ from torch import nn
 
 from conftest import randomize_heads, tiny_model
 from medusa_heads import MedusaModel
-from medusa_heads.inference.prepack import bf16_supported
-from medusa_heads.inference.screen import ArgmaxScreen
+from medusa_heads.kernels.prepack import bf16_supported
+from medusa_heads.kernels.screen import ArgmaxScreen
 from medusa_heads.engines.hf import Target
 
 needs_bf16 = pytest.mark.skipif(not bf16_supported(), reason="the screen runs only on CPUs with oneDNN bf16 kernels")

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from medusa_heads import MedusaModel
 from medusa_heads.training import trainer as trainer_mod
 from medusa_heads.corpus import append_conversations, read_conversations, read_prompts
-from medusa_heads.inference.prepack import prepack_linears, prepack_supported
-from medusa_heads.inference.tap import LMHeadTap
+from medusa_heads.kernels.prepack import prepack_linears, prepack_supported
+from medusa_heads.kernels.tap import LMHeadTap
 from medusa_heads.prompting import mask_runs
 from medusa_heads.shards import Segment, next_shard_path, write_shard
 from medusa_heads.training.features import answer_segments

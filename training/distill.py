@@ -11,7 +11,7 @@ from tqdm import tqdm
 from medusa_heads.prompting import eos_ids, has_chat_template, prompt_text
 from medusa_heads.corpus import PromptRow, append_conversations, batches, prompt_id, read_conversations
 from medusa_heads.engines.hf_cache import new_cache
-from medusa_heads.inference.tap import LMHeadTap
+from medusa_heads.kernels.tap import LMHeadTap
 from medusa_heads.engines.hf import target_cache_kw
 from medusa_heads.shards import Segment, next_shard_path, write_shard
 

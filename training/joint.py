@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from medusa_heads.checkpoint import save_heads
 from medusa_heads.heads import MedusaHeads
-from medusa_heads.inference.tap import LMHeadTap
+from medusa_heads.kernels.tap import LMHeadTap
 from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.prompting import conversation_ids, mask_runs
 from medusa_heads.corpus import is_eval

@@ -153,7 +153,7 @@ class CostModel:
     tokens for each of 4 rows cost 1.8x a plain step of the 4 (for one row: 0.96x). Without it, batches draft a
     fixed tree.
 
-    `greedy` holds the same for a greedy verify that skips the LM head through the screen (inference/screen.py:
+    `greedy` holds the same for a greedy verify that skips the LM head through the screen (medusa_heads/kernels/screen.py:
     only each node's argmax is needed, where the screen serves the model): one row's milliseconds by size, read by
     `for_greedy`. calibrate times greedy and full verifies alternately and takes from `ms` what the greedy one
     saves (a host's speed drifts between runs by more than the head costs). On MKL's fp32 kernels the head over a

@@ -40,7 +40,7 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     tokens/s ("tree"), and what the per-step tree runs on (config.adaptive): calibrated acceptance ("acceptance"),
     prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost"), the verify of a
     batch of rows for them ("batch": added to the kernels' cost model, which "cost" measures now or did before), a greedy
-    verify's cost where it skips the LM head ("greedy", likewise added; inference/screen.py); and the target's
+    verify's cost where it skips the LM head ("greedy", likewise added; medusa_heads/kernels/screen.py); and the target's
     phrasebook ("ngrams", tree/ngrams.py) from phrase_data = (conversations it learns, held-out ones): a store of
     the first, written beside the heads (ngrams.safetensors), its acceptance measured on the second.
 
@@ -53,7 +53,7 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     from medusa_heads.calibration import measure, report
     from medusa_heads.calibration.machine import machine_record
     from medusa_heads.checkpoint import save_config, save_ngrams
-    from medusa_heads.inference.prepack import is_prepacked
+    from medusa_heads.kernels.prepack import is_prepacked
     from medusa_heads.shards import load_segments
     from medusa_heads.tree.calibrate import rank_paths
     from medusa_heads.tree.ngrams import NgramStore, max_order

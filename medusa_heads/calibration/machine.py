@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_heads.inference.prepack import is_prepacked
+from medusa_heads.kernels.prepack import is_prepacked
 from medusa_heads.machine import cost_key, cpu_name, isa
 from medusa_heads.tree.adaptive import CostModel
 

@@ -56,7 +56,7 @@ def verify_latency(target, sizes: list[int], context: int = 300, repeats: int = 
 
 def greedy_savings(target, sizes: list[int], text: torch.Tensor, repeats: int = 3) -> dict[int, float]:
     """For each n: the median seconds of the full verify of a chain of n tokens less those of the greedy verify of it
-    (argmaxes through the screen, inference/screen.py), the two timed one after the other in one run, a root alone
+    (argmaxes through the screen, medusa_heads/kernels/screen.py), the two timed one after the other in one run, a root alone
     (n = 1) as a per-step tree with no drafted node verifies it. text: (context + max(sizes),) the target's own text
     (answer_text): the cached context, then the chain verified. The screen's work depends on how sure the target is
     (random tokens leave it unsure: many candidates to rescore), so it runs on text the target wrote. Paired, since

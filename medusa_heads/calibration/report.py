@@ -136,7 +136,7 @@ def _greedy_md(key: str, cost: CostModel) -> list[str]:
         return []
     g = cost.for_greedy()
     lines = [f"## Cost of a greedy verify: {key}", "",
-             "Verify milliseconds (median) when only each node's argmax is needed (inference/screen.py: no fp32 LM "
+             "Verify milliseconds (median) when only each node's argmax is needed (medusa_heads/kernels/screen.py: no fp32 LM "
              "head), then (in brackets) the full verify's from the table above, both as the tree selection charges "
              "them; greedy calls are sized by the first.", "",
              "| tree tokens | " + " | ".join(f"ctx {c}" for c in g.contexts) + " |", "|---|" + "---|" * len(g.contexts)]

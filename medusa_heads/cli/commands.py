@@ -294,7 +294,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
 
-    from medusa_heads.inference.prepack import is_prepacked, stock_kernels
+    from medusa_heads.kernels.prepack import is_prepacked, stock_kernels
     from medusa_heads.prompting import prompt_ids
 
     torch.set_num_threads(args.threads)

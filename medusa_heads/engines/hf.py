@@ -12,10 +12,10 @@ from transformers import DynamicCache, PreTrainedModel
 from medusa_heads.engines.base import TargetOutput
 from medusa_heads.engines.hf_cache import crop_to, keep_accepted, keep_accepted_rows, new_cache
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
-from medusa_heads.inference.layers import attention_layout
-from medusa_heads.inference.prepack import is_prepacked
-from medusa_heads.inference.screen import ScreenCache
-from medusa_heads.inference.tap import LMHeadTap
+from medusa_heads.kernels.layers import attention_layout
+from medusa_heads.kernels.prepack import is_prepacked
+from medusa_heads.kernels.screen import ScreenCache
+from medusa_heads.kernels.tap import LMHeadTap
 from medusa_heads.machine import cost_key, find_cost
 
 
@@ -70,7 +70,7 @@ class Target:
         return TargetOutput(logits=out.logits, hidden=tap.first())
 
     def _run_greedy(self, **kwargs) -> TargetOutput | None:
-        """_run's argmax of the logits, through the screen (inference/screen.py) and the decoder alone; None where
+        """_run's argmax of the logits, through the screen (medusa_heads/kernels/screen.py) and the decoder alone; None where
         the screen does not serve this model."""
         screen = self.screen.get()
         if screen is None:

@@ -1,16 +1,13 @@
 """All KV-cache surgery: new caches, and keeping only the accepted path after a tree verify."""
 from __future__ import annotations
 
-import weakref
-
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from medusa_heads.kernels.exact_attention import FREE_TAIL
 
-FREE_TAIL: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-"""The preallocated layers' buffers, by storage address, while they live: past a layer's length, their slots are free
-(inference/exact_attention.py pads values there instead of copying them)."""
+
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -60,7 +57,7 @@ def new_cache(model: PreTrainedModel, capacity: int | None = None) -> DynamicCac
     """A DynamicCache whose every layer keeps its whole history (with `capacity`, in preallocated buffers).
     transformers' sliding-window layers keep only the last window of keys, so a tree that is verified and then cut
     back would leave them without the entries it pushed out: here they keep everything, and their masks
-    (inference/layers.py) show them only their window. The load probe refuses models with other layer types."""
+    (medusa_heads/kernels/layers.py) show them only their window. The load probe refuses models with other layer types."""
     cache = DynamicCache(config=model.config)
     for layer in cache.layers:
         if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):  # full, sliding and chunked attention

@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 
 import torch
 from torch import nn
 
-from medusa_heads.engines.hf_cache import FREE_TAIL
+
+FREE_TAIL: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+"""Preallocated cache buffers (engines/hf_cache.py registers them), by storage address, while they live: past a
+layer's length their slots are free, so _padded pads values there instead of copying them."""
 
 NAME = "medusa_exact"
 WIDTH = 64  # products and softmax run over a multiple of this many keys (masked, zero padding at the end)
@@ -83,7 +87,7 @@ _count = threading.local()  # calls so far in each thread: whether a model's for
 
 
 def calls() -> int:
-    """This attention's calls so far in this thread (inference/exactness.py compares the count before and after a
+    """This attention's calls so far in this thread (medusa_heads/kernels/exactness.py compares the count before and after a
     probe's forwards: another thread decoding meanwhile must not make a model that skips it look as if it ran it)."""
     return getattr(_count, "n", 0)
 
@@ -169,14 +173,14 @@ def rows_invariant(dtype: torch.dtype, device: str = "cpu", sizes: tuple[tuple[i
     """Whether this machine's products give a row the same bits whatever the number of rows beside it (1 to 32),
     for linears of these (out, in) sizes (SmolLM2's, its q, k and v stacked, its gate and up stacked) and both orders
     of batched products: the kernels' half of exactness."""
-    from medusa_heads.inference.prepack import packs
+    from medusa_heads.kernels.prepack import packs
 
     gen = torch.Generator().manual_seed(0)
     for out_f, in_f in sizes:
         w = (torch.randn(out_f, in_f, generator=gen) * 0.05).to(dtype).to(device)
         x = torch.randn(32, in_f, generator=gen).to(dtype).to(device)
         products = [lambda a, w=w: nn.functional.linear(a, w)]
-        if device == "cpu" and packs(dtype):  # the prepacked linears too (inference/prepack.py)
+        if device == "cpu" and packs(dtype):  # the prepacked linears too (medusa_heads/kernels/prepack.py)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
             products.append(lambda a, p=packed: torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], ""))
         for product in products:

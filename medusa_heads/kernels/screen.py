@@ -28,7 +28,7 @@ import threading
 import torch
 from torch import nn
 
-from medusa_heads.inference.prepack import bf16_supported
+from medusa_heads.kernels.prepack import bf16_supported
 
 EPS32 = 2.0**-24  # fp32 unit roundoff
 U16 = 2.0**-8  # bf16 unit roundoff

@@ -41,7 +41,7 @@ def first_dependent_rows(product, in_features: int, dtype: torch.dtype, device: 
 
 def _products(model: nn.Module):
     """The model's distinct packed products: each PackedLinear, or the one its siblings share."""
-    from medusa_heads.inference.prepack import PackedLinear
+    from medusa_heads.kernels.prepack import PackedLinear
 
     seen = set()
     for m in model.modules():
@@ -58,7 +58,7 @@ def cap_rows(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[tuple, int | No
     changes one); None where every count up to max_rows keeps them. fp32 makes no bit-for-bit promise, and int8's
     integer sums are exact at any row count: they are left as they are.
     Returns {(kernel, out, in): cap}."""
-    from medusa_heads.inference.int8 import Int8Linear
+    from medusa_heads.kernels.int8 import Int8Linear
 
     caps: dict[tuple, int | None] = {}
     for kernel in _products(model):
@@ -82,82 +82,6 @@ def has_attention_sinks(model: nn.Module) -> bool:
 
 def promises_exact(model: nn.Module) -> bool:
     """Whether this model's greedy output is promised bit for bit: a CPU model in bf16, or with int8 linears."""
-    from medusa_heads.inference.int8 import is_int8
+    from medusa_heads.kernels.int8 import is_int8
 
     return model.device.type == "cpu" and (model.dtype == torch.bfloat16 or is_int8(model))
-
-
-@torch.no_grad()
-def exactness_problem(target) -> str | None:
-    """Why a tree's rows would not be this model's plain steps bit for bit (None: they are, as far as checked):
-    its attention, its linears' kernels, or a probe on the model itself. For models that promise it (promises_exact)."""
-    from medusa_heads.inference import exact_attention, int8
-    from medusa_heads.inference.prepack import PackedLinear
-
-    model = target.model
-    own_attention = (f"{type(model).__name__} computes its attention itself, not through transformers' attention "
-                     "interface, so the row-exact attention cannot serve it")
-    if model.dtype == torch.bfloat16 and not exact_attention.rows_invariant(torch.bfloat16):
-        return "this CPU's bf16 products give a row other bits beside other rows"
-    if int8.is_int8(model) and not int8.int8_rows_invariant(model.dtype):
-        return "this CPU's int8 products are not exact integer sums, or give a row other bits beside other rows"
-    if not getattr(model, "_supports_attention_backend", True):
-        return own_attention
-    if not exact_attention.uses_exact_attention(model):
-        if has_attention_sinks(model):
-            return ("its attention has sinks (a learned logit per head beside the keys), which the row-exact "
-                    "attention does not take")
-        impl = getattr(model.config, "_attn_implementation", None)
-        return (f"its attention is {impl!r}, which rounds a tree's rows by the rows beside them; load it with "
-                f"attn_implementation='{exact_attention.NAME}' (medusa_heads.inference.exact_attention."
-                "use_exact_attention(model) before MedusaModel.from_pretrained)")
-    checked = set()  # stock linears by shape: the kernel follows the shape, not the weights
-    for module_name, m in model.named_modules():
-        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16:
-            shape = (m.out_features, m.in_features, m.bias is not None, m.weight.device)
-            if shape in checked:
-                continue
-            checked.add(shape)
-            bad = first_dependent_rows(lambda a, m=m: nn.functional.linear(a, m.weight, m.bias), m.in_features,
-                                       torch.bfloat16, m.weight.device, 33)
-            if bad is not None:
-                return (f"its {module_name} ({m.out_features} x {m.in_features}) runs on the stock bf16 kernel, which "
-                        f"gives a row other bits beside {bad - 1} others here; load it with prepack=True, which splits "
-                        "such products")
-        elif isinstance(m, PackedLinear) and m.packed_as[0] == torch.bfloat16 and not m.enabled:
-            return f"its {module_name} runs on the stock kernels (stock_kernels)"
-    before = exact_attention.calls()
-    rows = _probe(target)
-    if exact_attention.calls() == before:
-        return own_attention
-    if rows:
-        return (f"in a probe on this model, {rows} of a small tree's rows differ from plain steps along their paths "
-                "(some layer rounds a row by the rows beside it)")
-    return None
-
-
-def _probe(target) -> int:
-    """How many rows of a 7-node tree (two branches) verified after a 12-token prefix differ from plain steps."""
-    from medusa_heads.engines.hf_cache import crop_to, new_cache
-    from medusa_heads.tree.buffers import from_parents
-
-    model = target.model
-    vocab = model.get_output_embeddings().weight.shape[0]
-    device = model.device
-    past = 12
-    ids = ((torch.arange(past + 7, device=device) * 7919 + 17) % vocab)
-    prefix, tokens = ids[None, :past], ids[past:]
-    parents = (-1, 0, 1, 2, 0, 4, 5)  # root; a chain of three below it; a second chain of two
-    buffers = from_parents(parents, device)
-    cache = new_cache(model, past + 16)
-    target.prefill(prefix, cache)
-    tree = target.verify(tokens, past, cache, buffers).logits
-    differ = set()
-    for path in ((0, 1, 2, 3), (0, 4, 5, 6)):
-        crop_to(cache, past)
-        for depth, node in enumerate(path):
-            step = target.step(tokens[node : node + 1], past + depth, cache).logits[-1]
-            if not torch.equal(tree[node], step):
-                differ.add(node)
-    crop_to(cache, past)
-    return len(differ)

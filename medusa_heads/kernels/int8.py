@@ -27,7 +27,7 @@ import threading
 import torch
 from torch import nn
 
-from medusa_heads.inference.prepack import PackedLinear, fuse_siblings
+from medusa_heads.kernels.prepack import PackedLinear, fuse_siblings
 
 ZERO_POINT = 128  # oneDNN takes unsigned activations: q_x + 128 in uint8, and the kernel subtracts it back
 

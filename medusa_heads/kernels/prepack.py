@@ -49,7 +49,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.enabled = True  # False: plain nn.functional.linear (the stock kernels), for comparisons
         self.siblings: Siblings | None = None  # the product this linear shares with the others reading its input
-        self.row_cap: int | None = None  # at most this many rows a product (inference/exactness.py: cap_rows)
+        self.row_cap: int | None = None  # at most this many rows a product (medusa_heads/kernels/exactness.py: cap_rows)
         self.packed_as = (linear.weight.dtype, linear.weight.device)
         with torch.no_grad():
             self.pack(linear.weight.detach(), batch_hint)
@@ -236,7 +236,7 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
             setattr(parent, name, kind(child, batch_hint))
             swapped += 1
     fuse_siblings(model)
-    from medusa_heads.inference.exactness import cap_rows
+    from medusa_heads.kernels.exactness import cap_rows
 
     cap_rows(model)
     return swapped
