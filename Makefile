@@ -18,6 +18,7 @@ demo: setup
 	$(VENV)/bin/medusa-heads demo
 
 test: setup
+	$(VENV)/bin/ruff check medusa_heads inference tree training tests scripts experiments vllm_plugin
 	$(PY) -m pytest -q -n auto -m "not llamacpp"   # a worker per core (pytest-xdist), one thread each; llama.cpp's own: test-llamacpp
 
 # vLLM serves the shipped heads losslessly through the project's plugin (vllm_plugin/; README "Serving with vLLM").

@@ -1,6 +1,9 @@
 """One process, batches of the 16 first bench prompts, greedy, 128 new tokens: the LM head's screen on and off, and
 transformers' batched generate, alternating. Run from the repository's root: python experiments/screen_batch_ab.py 2,4,8"""
-import sys, time, torch
+
+import sys
+import time
+import torch
 from medusa_heads import MedusaModel
 from medusa_heads.loading import load_tokenizer
 from medusa_heads.corpus import read_prompts
@@ -9,14 +12,23 @@ from medusa_heads.prompting import prompt_text
 if __name__ == "__main__":
     torch.set_num_threads(2)
     m = MedusaModel.from_pretrained("smollm2-135m-instruct")
-    tok = load_tokenizer("smollm2-135m-instruct"); tok.padding_side = "left"
+    tok = load_tokenizer("smollm2-135m-instruct")
+    tok.padding_side = "left"
     rows = read_prompts("data/bench_prompts.jsonl")[:16]
     for B in map(int, sys.argv[1].split(",")):
-        encs = [tok([prompt_text(tok, [{"role": "user", "content": r.turns[0]}]) for r in rows[i:i + B]], return_tensors="pt",
-                    padding=True, add_special_tokens=False) for i in range(0, 16, B)]
-        T = {"full": 0.0, "screen": 0.0, "hf": 0.0}; outs = {}
+        encs = [
+            tok(
+                [prompt_text(tok, [{"role": "user", "content": r.turns[0]}]) for r in rows[i : i + B]],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            )
+            for i in range(0, 16, B)
+        ]
+        T = {"full": 0.0, "screen": 0.0, "hf": 0.0}
+        outs = {}
         for i, enc in enumerate(encs):
-            for k in (["full", "screen", "hf"] if i % 2 == 0 else ["hf", "screen", "full"]):
+            for k in ["full", "screen", "hf"] if i % 2 == 0 else ["hf", "screen", "full"]:
                 t = time.perf_counter()
                 if k == "hf":
                     o = m.base_model.generate(**enc, max_new_tokens=128, do_sample=False)
@@ -26,5 +38,8 @@ if __name__ == "__main__":
                 T[k] += time.perf_counter() - t
                 outs[k] = o
             assert torch.equal(outs["full"], outs["screen"])
-        print(f"B={B} seconds {({k: round(v, 2) for k, v in T.items()})}; screen/full speed {T['full'] / T['screen']:.3f}; "
-              f"vs generate: full {T['hf'] / T['full']:.3f}, screen {T['hf'] / T['screen']:.3f}", flush=True)
+        print(
+            f"B={B} seconds {({k: round(v, 2) for k, v in T.items()})}; screen/full speed {T['full'] / T['screen']:.3f}; "
+            f"vs generate: full {T['hf'] / T['full']:.3f}, screen {T['hf'] / T['screen']:.3f}",
+            flush=True,
+        )

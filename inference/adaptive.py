@@ -43,8 +43,7 @@ class Correction:
     rate -> sigmoid(logit(rate) + b), fitted to the call's observed acceptance: the maximum a posteriori b under a
     Gaussian prior with the information of PRIOR observations at p = 1/2, a few Newton steps after each verify.
     A shift in log-odds moves a rate of 1/2 most and rates near 0 or 1 least, which is how the heads' rates miss on
-    text they have not seen (3e4d292:results/round19/nodes_after.md: head 1's 0.60s accepted 0.47, its 0.075s 0.076); a
-    factor moves the high rates most and clips them at 1. Trials are kept as the rates before the shift, so b
+    text they have not seen (docs/how-it-works.md, "The tree is chosen per step"); a factor moves the high rates most and clips them at 1. Trials are kept as the rates before the shift, so b
     measures the stored calibration's error, not what remains of it after an earlier b; and they are counted by
     (slot, rate to 0.01 in log-odds), so a fit costs the same after 100 steps as after 5,000."""
 
@@ -98,10 +97,9 @@ class AdaptiveDrafter:
     d in 1..depth, head d; depth + 1, a drafted child that the lookup repeated and raised; depth + 2, the
     phrasebook's own tokens; depth + 3, a child the phrasebook repeated and raised (apart from the lookup's: the
     heads and the phrasebook learned from the same answers, so their agreement is weaker evidence than a noisy OR
-    of independent sources says, and the correction learns by how much; 3e4d292:results/round26: bench τ 2.97 -> 3.00). The raised children are
-    apart from the lookup's own tokens because their errors have opposite signs: on kept nodes (3e4d292:results/round19)
-    the noisy OR rated them 0.62 and they were accepted 0.70 of the time, while the lookup's chains past the heads
-    were rated 0.88 and accepted 0.85; pooled, the first pushed the second's rates up to 1."""
+    of independent sources says, and the correction learns by how much). The raised children are apart from the
+    lookup's own tokens because their errors have opposite signs: the noisy OR rates the first too low and the
+    lookup's chains past the heads too high, and pooled, the first pushed the second's rates up to 1."""
 
     def __init__(self, heads: MedusaHeads, acceptance: Acceptance, cost: CostModel,
                  lookup: LookupAcceptance | None = None, lookup_tokens: int = 0, max_ngram: int = MAX_NGRAM,
@@ -253,8 +251,8 @@ class AdaptiveDrafter:
         however long its n-gram). A new candidate is worth
         its parent's worth times r. Where the token repeats a drafted child that the heads rate h, the two are
         independent evidence for the same token: the child's rate becomes 1 - (1 - h)(1 - r) (a noisy OR), within
-        the same cap, and its drafted subtree is rescaled with it. Measured on kept nodes (3e4d292:results/round19), such
-        children were accepted 0.65 of the time where the larger of h and r rated them 0.53."""
+        the same cap, and its drafted subtree is rescaled with it: such children are accepted more often than the
+        larger of h and r says."""
         children: dict[int, dict[int, int]] = {}
         for i in range(1, len(tok)):
             children.setdefault(par[i], {})[tok[i]] = i

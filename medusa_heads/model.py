@@ -123,6 +123,9 @@ class MedusaModel(nn.Module):
         cost, origin = CostModel.from_dict(stored["cost"][found]), None
         if self.engine is self.target:  # timed on another machine (calibration/machine.py): this one's, cached
             cost, origin = local_cost(self, found, stored["cost"][found], cost)
+        cap = self.engine.row_cap
+        if cap is not None and cost.max_size > cap:  # trees no larger than its kernels keep a row's bits for
+            cost = cost.up_to(cap)
         phrases = self.phrases if "ngrams" in stored else None
         return {"acceptance": Acceptance.from_dict(stored["acceptance"]), "cost": cost,
                 "lookup": LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None,

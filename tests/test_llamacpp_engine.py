@@ -166,3 +166,39 @@ def test_a_context_too_small_and_a_missing_file_are_one_line(tiny_gguf, tmp_path
     engine.close()
     with pytest.raises(FileNotFoundError, match="no such file"):
         MedusaModel.from_pretrained(str(folder), heads=None, gguf=tmp_path / "nope.gguf")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "--prompt", "hi", "--gguf", "q5"], "--gguf q5: neither a GGUF file nor a weight type"),
+    (["generate", "--prompt", "hi", "--gguf", "q8_0", "--dtype", "bf16"], "leave out --dtype and --device"),
+    (["bench", "--prompts", "data/bench_prompts.jsonl", "--gguf", "nope.gguf"], "neither a GGUF file"),
+])
+def test_bad_gguf_arguments_are_one_line_before_anything_loads(argv, says, monkeypatch):
+    from medusa_heads import loading
+    from medusa_heads.cli import main
+
+    monkeypatch.setattr(loading, "load_base", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.llamacpp
+@built
+def test_the_readmes_llama_cpp_lines_run_as_printed(tmp_path, monkeypatch):
+    """The README's `--gguf` command lines and its llama.cpp Python example, as printed, on the real model."""
+    import re
+
+    from test_readme import README, bash_lines, run_as_printed
+
+    commands = [c for c in bash_lines(README.read_text()) if "--gguf" in c]
+    assert commands
+    for argv in commands:
+        done = run_as_printed(argv, tmp_path)
+        assert done.returncode == 0, (argv, done.stderr[-2000:])
+        assert done.stdout.strip() and "tau" in (done.stderr + done.stdout).lower()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if "gguf=" in b)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(example, "README.md", "exec"), scope)
+    assert torch.equal(scope["out"][0, scope["ids"].shape[1]:], torch.tensor(scope["plain"]))

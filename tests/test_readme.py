@@ -16,7 +16,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def python_example() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    """The README's Python section's example (the llama.cpp section's needs its build: test_llamacpp_engine.py)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text().split("\n## Python\n", 1)[1], flags=re.S)
     assert blocks, "README.md has no ```python block"
     return blocks[0]
 
@@ -149,7 +150,8 @@ def quick_commands() -> list[list[str]]:
     for page in sorted((ROOT / "docs").glob("*.md")):
         commands += bash_lines(page.read_text())
     unique = [c for i, c in enumerate(commands) if c not in commands[:i]]
-    return [c for c in unique if c[0] in QUICK or "--help" in c]
+    # a command on llama.cpp needs its build (make llamacpp-setup): tests/test_llamacpp_engine.py runs those
+    return [c for c in unique if (c[0] in QUICK or "--help" in c) and "--gguf" not in c]
 
 
 def run_as_printed(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:

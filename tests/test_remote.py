@@ -98,7 +98,7 @@ def test_the_servers_greedy_answers_are_what_distill_writes(target, tmp_path):
         engine.close()
     distill(base, tok, ROWS, tmp_path / "local.jsonl", max_new_tokens=12, batch_size=1)
     assert counts["written"] == 4 and counts["failed"] == 0
-    by_id = lambda f: {c["id"]: c["messages"] for c in read_conversations(tmp_path / f)}
+    by_id = lambda f: {c["id"]: c["messages"] for c in read_conversations(tmp_path / f)}  # noqa: E731
     assert by_id("server.jsonl") == by_id("local.jsonl")  # content, turns and "finished", both turns of b
     assert len(by_id("server.jsonl")["b"]) == 4
 
@@ -200,7 +200,7 @@ def test_engine_vllm_starts_a_server_for_the_run_and_stops_it(target, tmp_path, 
     log = (tmp_path / "d.vllm.log").read_text()
     assert "--served-model-name target" in log  # the command vLLM was given
     distill(base, tok, ROWS, tmp_path / "local.jsonl", max_new_tokens=8, batch_size=1)
-    by_id = lambda f: {c["id"]: c["messages"] for c in read_conversations(tmp_path / f)}
+    by_id = lambda f: {c["id"]: c["messages"] for c in read_conversations(tmp_path / f)}  # noqa: E731
     assert by_id("d.jsonl") == by_id("local.jsonl")
     pid = int(log.split("pid ", 1)[1].split()[0])
     with pytest.raises(ProcessLookupError):  # stopped when the run ended

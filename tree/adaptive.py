@@ -95,7 +95,7 @@ class LookupAcceptance:
 class PhraseAcceptance:
     """P(the phrasebook's j-th token is accepted | the (j-1)-th was): per length of the n-gram that found it, an
     Acceptance over the store's confidence (a 4-gram's follower is accepted more often than a 2-gram's of the same
-    confidence: 0.48 against 0.28 at depth 1 on held-out answers, 3e4d292:results/round26)."""
+    confidence)."""
 
     orders: tuple[int, ...]  # matched n-gram lengths measured, increasing
     tables: tuple[Acceptance, ...]  # tables[i]: for orders[i] (a shorter match reads the first, a longer the last)
@@ -272,6 +272,13 @@ class CostModel:
         return cls(tuple(d["contexts"]), tuple(d["sizes"]), tuple(tuple(r) for r in d["ms"]),
                    float(d.get("draft_ms", 0.0)), float(d.get("overhead_ms", 0.0)), d.get("fit", "line"), batches,
                    greedy)
+
+    def up_to(self, size: int) -> "CostModel":
+        """This one row's model for trees of at most `size` tokens (an engine whose kernels change a row's bits past
+        them); batches and the greedy table are dropped."""
+        keep = [i for i, s in enumerate(self.sizes) if s <= size]
+        return dataclasses.replace(self, sizes=tuple(self.sizes[i] for i in keep),
+                                   ms=tuple(tuple(row[i] for i in keep) for row in self.ms), batches=(), greedy=None)
 
     def with_batches(self, batches: dict[int, "CostModel"]) -> "CostModel":
         """This model with these batch measurements added (replacing any for the same row counts)."""

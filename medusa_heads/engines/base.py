@@ -78,6 +78,7 @@ class Engine(Protocol):
 
     device: torch.device
     greedy_choices: bool  # a greedy verify may hand over each node's argmax instead of its logits
+    row_cap: int | None  # the most tree tokens whose rows keep a one-token step's bits (None: no such limit)
 
     def session(self, capacity: int) -> Session:
         """A new session whose cache holds about `capacity` tokens (it may grow past them)."""

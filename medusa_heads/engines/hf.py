@@ -29,6 +29,8 @@ class Target:
     """The transformers engine (engines/base.Engine): drives an unmodified causal LM. Quirks of versions and
     families live here only."""
 
+    row_cap = None  # its packed kernels split a product past the rows where it would change a row (kernels/prepack.py)
+
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.cache_kw = target_cache_kw(model)

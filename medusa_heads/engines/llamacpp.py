@@ -29,12 +29,13 @@ import torch
 from medusa_heads.engines.base import TargetOutput
 from medusa_heads.llamacpp import FLASH_ATTENTION, python_binding
 from medusa_heads.machine import isa
-from medusa_heads.tree.buffers import TreeBuffers
+from medusa_heads.tree.buffers import TreeBuffers, chain
 
 MAX_SEQUENCES = 64  # sequence 0, a tree's root-to-leaf paths, and the spent cells' sequence (llama.cpp allows 256)
 SPENT = MAX_SEQUENCES - 1  # the sequence of rejected cells that stay where they lie: nobody attends to it
 BATCH = 512  # tokens one llama_decode takes (a longer prompt is prefilled in chunks)
 COMPACT_AT = 512  # spent cells that make a session copy its sequence out and back in, in order
+ROW_PROBE = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)  # tree sizes the load probe checks
 
 
 class LlamaCppEngine:
@@ -62,6 +63,37 @@ class LlamaCppEngine:
         self.n_ctx = min(n_ctx, llama.llama_model_n_ctx_train(self.model) or n_ctx)
         self._idle: list[_Context] = []
         self._lock = threading.Lock()
+        self.row_cap = self._row_cap()  # the most tree tokens whose rows keep a one-token step's bits (None: any)
+
+    def _row_cap(self) -> int | None:
+        """Where this build's kernels change a row's bits with the rows beside it, found on the model itself: a
+        chain of n tokens against n one-token steps after a short prompt, n in ROW_PROBE. None: no n changes them
+        (Q8_0, Q4_1 here), or the very first does (F32, BF16: a batch runs another product than one row, so a cap
+        would leave no tree; their trees are exact up to rounding). Else the largest n that keeps them (Q4_K_M)."""
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.n_vocab, (1, 24), generator=g)
+        tokens = torch.randint(0, self.n_vocab, (ROW_PROBE[-1],), generator=g)
+        session = self.session(64)
+        try:
+            session.prefill(ids)
+            steps = []
+            for t in tokens.tolist():
+                steps.append(session.verify(torch.tensor([t]), chain(1), False).logits[0])
+                session.commit(torch.zeros(1, dtype=torch.long))
+        finally:
+            session.close()
+        kept = 1
+        for n in ROW_PROBE:
+            session = self.session(64)
+            try:
+                session.prefill(ids)
+                rows = session.verify(tokens[:n], chain(n), False).logits
+            finally:
+                session.close()
+            if not torch.equal(rows, torch.stack(steps[:n])):
+                return None if kept == 1 else kept
+            kept = n
+        return None
 
     def kernels(self) -> str:
         return f"llamacpp-{self.weights}-cpu-{isa()}"
