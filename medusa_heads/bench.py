@@ -337,7 +337,7 @@ def _against_lookup(result: dict) -> list[str]:
 def _against_llamacpp(result: dict) -> list[str]:
     """The heads against llama.cpp on the same prompts: llama.cpp's plain decoding per weight type, the heads on
     llama.cpp at each weight type against its plain decoding there, and its best n-gram self-speculation."""
-    overall, runs = result["overall"], result["settings"]["prompts_run"]
+    overall, runs = result["overall"], result["settings"].get("prompts_run", result["settings"].get("prompts"))
     ours = [m for m in LLAMACPP_METHODS if m in overall and split_method(m)[2]]
     plain = [m for m in LLAMACPP_METHODS if m in overall and plain_reference(m) is None]
     ngram = [m for m in LLAMACPP_METHODS if m in overall and split_method(m)[1]]

@@ -102,8 +102,12 @@ class MedusaModel(nn.Module):
         """What a call's plan reads of these heads on the engine that runs them (inference/plan.Drafting): the
         stored per-step tree's parts for the engine's kernels, parsed once per kernel key (stock_kernels() changes
         them) and again when config.adaptive changes."""
+        parts = dict(self._stored_parts()[1])
+        if self.phrases is None:  # the phrasebook is the model's (it may be swapped); its rates are the config's
+            parts.pop("phrase_acceptance", None)
         return Drafting(self.heads, self.tree, self.default_tree, self.engine.kernels(), self.config.lookup_tokens,
-                        self.config.lookup_branches, **self._stored_parts()[1])
+                        self.config.lookup_branches, phrases=self.phrases if "phrase_acceptance" in parts else None,
+                        **parts)
 
     def _stored_parts(self) -> tuple[dict, dict, str | None]:
         """(config.adaptive as read, its parts for the engine's kernels, which table), read once per kernels."""
@@ -126,12 +130,11 @@ class MedusaModel(nn.Module):
         cap = self.engine.row_cap
         if cap is not None and cost.max_size > cap:  # trees no larger than its kernels keep a row's bits for
             cost = cost.up_to(cap)
-        phrases = self.phrases if "ngrams" in stored else None
-        return {"acceptance": Acceptance.from_dict(stored["acceptance"]), "cost": cost,
-                "lookup": LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None,
-                "phrases": phrases,
-                "phrase_acceptance": PhraseAcceptance.from_dict(stored["ngrams"]) if phrases is not None else None,
-                }, found if origin in (None, "stored") else f"{found} (this machine's: {origin})"
+        parts = {"acceptance": Acceptance.from_dict(stored["acceptance"]), "cost": cost,
+                 "lookup": LookupAcceptance.from_dict(stored["lookup"]) if "lookup" in stored else None}
+        if "ngrams" in stored:
+            parts["phrase_acceptance"] = PhraseAcceptance.from_dict(stored["ngrams"])
+        return parts, found if origin in (None, "stored") else f"{found} (this machine's: {origin})"
 
     def cost_model(self) -> CostModel | None:
         """The stored cost model for the kernels this model's verify runs on, if the heads were calibrated for them."""
