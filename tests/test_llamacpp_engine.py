@@ -40,6 +40,13 @@ def tiny_gguf(tmp_path_factory):
     return folder, tok
 
 
+@pytest.fixture(scope="module")
+def tiny_f32(tiny_gguf):
+    """The tiny model's F32 GGUF on llama.cpp with random heads and a fixed tree, and its tokenizer."""
+    folder, tok = tiny_gguf
+    return randomize_heads(MedusaModel.from_pretrained(str(folder), heads=None, gguf="f32", tree="cpu-8")), tok
+
+
 def _plain(path, ids: torch.Tensor, n: int) -> list[int]:
     engine = llamacpp.Plain(path, torch.get_num_threads())
     try:
@@ -99,11 +106,10 @@ def test_a_path_off_the_first_branch_is_committed_whole(tiny_gguf):
 
 @pytest.mark.llamacpp
 @built
-def test_streaming_stopping_threads_and_batches(tiny_gguf):
+def test_streaming_stopping_threads_and_batches(tiny_f32):
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    folder, tok = tiny_gguf
-    model = randomize_heads(MedusaModel.from_pretrained(str(folder), heads=None, gguf="f32", tree="cpu-8"))
+    model, tok = tiny_f32
     ids = chat_ids(tok, PROMPTS[1])
     ref = model.generate(ids, max_new_tokens=30, eos_token_id=None)
 
@@ -146,9 +152,8 @@ def test_streaming_stopping_threads_and_batches(tiny_gguf):
 
 @pytest.mark.llamacpp
 @built
-def test_sampling_draws_from_llama_cpps_logits_reproducibly(tiny_gguf):
-    folder, tok = tiny_gguf
-    model = randomize_heads(MedusaModel.from_pretrained(str(folder), heads=None, gguf="f32", tree="cpu-8"))
+def test_sampling_draws_from_llama_cpps_logits_reproducibly(tiny_f32):
+    model, tok = tiny_f32
     ids = chat_ids(tok, PROMPTS[2])
     draw = lambda seed: model.generate(ids, max_new_tokens=24, do_sample=True, temperature=1.0,  # noqa: E731
                                        generator=torch.Generator().manual_seed(seed))
