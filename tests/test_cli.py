@@ -239,7 +239,7 @@ def test_ctrl_c_ends_chat_quietly_and_anything_else_with_status_130(files, capsy
     monkeypatch.setattr("builtins.input", ctrl_c)
     code, err = run(["chat", "--model", str(files["model"]), "--no-prepack"], capsys)
     assert code == 0 and "interrupted" not in err and "Traceback" not in err
-    monkeypatch.setattr("medusa_heads.cli.commands._load_medusa", ctrl_c)
+    monkeypatch.setattr("medusa_heads.cli.generating._load_medusa", ctrl_c)
     code, err = run(["generate", "--prompt", "hi"], capsys)
     assert code == 130 and err == "interrupted\n"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from collections.abc import Callable
 
 # Nothing here imports torch or transformers: `medusa-heads --help` prints at once; a command imports what it needs.
 from medusa_heads.cli.commands import (
@@ -151,6 +152,10 @@ def _threads_arg(parser: argparse.ArgumentParser, default: int | None) -> None:
                         help="CPU threads" + ("" if default else " (default: PyTorch's choice)"))
 
 
+# build_parser's command(name, help, fn): the parser of one subcommand, given to the _add_* that adds its arguments
+Command = Callable[[str, str, Callable[[argparse.Namespace], None]], argparse.ArgumentParser]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="medusa-heads", description=__doc__, formatter_class=HelpFormatter, epilog=EXIT_CODES)
     p.add_argument("--debug", action="store_true", help="on an error, show the full traceback instead of one line")
@@ -166,19 +171,39 @@ def build_parser() -> argparse.ArgumentParser:
         parser.set_defaults(fn=fn)
         return parser
 
+    _add_generate(command)
+    _add_chat(command)
+    _add_demo(command)
+    _add_distill(command)
+    _add_features(command)
+    _add_train(command)
+    _add_calibrate(command)
+    _add_bench(command)
+    _add_export(command)
+    _add_fit(command)
+    return p
+
+
+def _add_generate(command: Command) -> None:
     g = command("generate", "generate a reply to one prompt (streamed)", cmd_generate)
     g.add_argument("--prompt", required=True, help="the user's message")
     _model_args(g, max_new_tokens=256)
     _sampling_args(g)
 
+
+def _add_chat(command: Command) -> None:
     ch = command("chat", "interactive chat, streamed, with a tokens/s and tau status line", cmd_chat)
     _model_args(ch, max_new_tokens=256)
     _sampling_args(ch)
 
+
+def _add_demo(command: Command) -> None:
     d = command("demo", "plain generate vs medusa on a few prompts: tokens/s, tau, equality", cmd_demo)
     _model_args(d, max_new_tokens=128)
     _threads_arg(d, 2)
 
+
+def _add_distill(command: Command) -> None:
     s = command("distill", "the target answers prompts itself (resumable: rerun continues)", cmd_distill)
     s.add_argument("--model", default=DEFAULT_MODEL, help="the target: the embedded default's name, a local HF directory or a hub id")
     s.add_argument("--prompts", required=True, help='JSONL prompts: {"prompt": ...} or {"turns": [...]} per line')
@@ -213,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "already answered, after the same user turns, is taken from there instead of generated "
                         "again (marked reused: training counts it once)")
 
+
+def _add_features(command: Command) -> None:
     f = command("features", "hidden-state features for distilled conversations that have none, in padded batches "
                 "(under `accelerate launch --num_processes N`: each process a share)", cmd_features)
     f.add_argument("--model", default=DEFAULT_MODEL, help="the target the conversations were distilled from")
@@ -226,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     _prepack_arg(f)
     _threads_arg(f, 2)
 
+
+def _add_train(command: Command) -> None:
     t = command("train", "train heads on distilled data (a YAML recipe; --resume continues)", cmd_train)
     t.add_argument("--config", default=None, help="recipe YAML (configs/train/...; default: the recipe's defaults)")
     t.add_argument("--data", default=None, help="distilled conversations (overrides the recipe's data; where only "
@@ -237,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     _threads_arg(t, None)
 
+
+def _add_calibrate(command: Command) -> None:
     c = command("calibrate", "choose the fastest tree for these heads on this machine, and measure what the per-step "
                              "tree runs on (acceptance, prompt lookup, cost)", cmd_calibrate)
     _heads_args(c, "heads directory to calibrate (its config.json is rewritten)", required=True)
@@ -275,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     _gguf_arg(c)
     _threads_arg(c, 2)
 
+
+def _add_bench(command: Command) -> None:
     b = command("bench", "hf vs prompt lookup vs medusa, same process, alternating order", cmd_bench)
     b.add_argument("--prompts", required=True, help='JSONL prompts: {"prompt": ...} or {"turns": [...]} per line, '
                                                     'optionally with "category"')
@@ -305,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="folder for results.md, results.json, speedup.png "
                                                "(default: a new runs/bench-YYYYmmdd-HHMMSS)")
 
+
+def _add_export(command: Command) -> None:
     e = command("export", "write heads in another layout (--format vllm: for the vLLM plugin; vllm-stock: vLLM's own "
                 "Medusa, Medusa-1 heads only; medusa: the reference layout)", cmd_export)
     e.add_argument("heads_dir", help="heads directory to export")
@@ -324,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export into a folder that holds files already: what an export writes (either layout's files) "
                         "is replaced, so the folder holds one layout")
 
+
+def _add_fit(command: Command) -> None:
     fi = command("fit", "heads for a model within a time budget: distill, train, calibrate, bench (rerun continues)",
                  cmd_fit)
     fi.add_argument("--model", default=DEFAULT_MODEL, help="the base model (a name, a local HF folder or a hub id)")
@@ -352,7 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
     fi.add_argument("--concurrency", type=positive, default=None,
                     help="--server, --engine: requests in flight (default: 16)")
     _threads_arg(fi, None)
-    return p
 
 
 def _one_line(e: BaseException) -> str:
