@@ -27,6 +27,7 @@ from medusa_heads.kernels.exact_attention import register as register_exact_atte
 from medusa_heads.kernels.int8 import int8_rows_invariant, int8_supported, quantize_linears
 from medusa_heads.inference.plan import ADAPTIVE, Drafting, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
+from medusa_heads.kernels.draft_int8 import INT8, int8_heads
 from medusa_heads.kernels.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
 from medusa_heads.engines.hf_probes import check_tree_attention, exactness_problem
 from medusa_heads.engines.base import Engine
@@ -430,8 +431,11 @@ def _build_heads(base: PreTrainedModel, heads, config: MedusaConfig | None, fing
         phrases = load_ngrams(heads, config.vocab_size)
     medusa_heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
     if heads is not None:
-        medusa_heads.cast(draft_dtype or _draft_dtype(lm_weight))
-        if lm_weight.device.type == "cpu" and prepack_supported():
+        dtype = draft_dtype or _draft_dtype(lm_weight)
+        medusa_heads.cast(lm_weight.dtype if dtype == INT8 else dtype)
+        if dtype == INT8:
+            int8_heads(medusa_heads)
+        elif lm_weight.device.type == "cpu" and prepack_supported():
             prepack_heads(medusa_heads)
     return medusa_heads, phrases
 
