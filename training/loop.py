@@ -253,71 +253,21 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
         deadline: float | None = None, now: Callable[[], float] = time.time) -> Path:
     """Train per the recipe; setup(conversations, accelerator, checkpoint folder, resume from it) builds the job.
     Returns the heads directory. Past `deadline` (read on `now`; one process only) the step it is on is the last."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
     convs = read_data(recipe.data)
     check_eval_split([c["id"] for c in convs], recipe.eval_fraction, recipe.data)
     out, ckpt = prepare_output(recipe, resume)
-    # accelerate keeps one state per process and refuses a second run's other mixed_precision (a notebook, a sweep):
-    # each run sets its own (the process group, PartialState, stays as launched)
-    AcceleratorState._reset_state()
-    # the schedule counts optimizer steps, whatever the number of processes: accelerate's default steps a prepared
-    # scheduler once per process at each optimizer step (for a per-process schedule), so N processes would decay
-    # the learning rate N times as fast as one process on the same global batch
-    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum,
-                              step_scheduler_with_optimizer=False)
-    if deadline is not None and accelerator.num_processes > 1:
-        raise ValueError("a training deadline needs one process (the processes would stop at different steps)")
+    accelerator = _accelerator(recipe, deadline)
     job = setup(convs, accelerator, ckpt, resume and ckpt.exists())
-    main, step, log_path = accelerator.is_main_process, job.step, out / "train_log.jsonl"
-
-    def log(*rows: dict) -> None:
-        with log_path.open("a" if rows[0]["kind"] != "data" else "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-
+    main, log_path = accelerator.is_main_process, out / "train_log.jsonl"
     if main:
         who = f" ({accelerator.num_processes} processes, {accelerator.distributed_type.value})" \
             if accelerator.num_processes > 1 else ""
         accelerator.print(f"data{who}: {job.info}")
-        if step == 0:
-            log({"kind": "data", **job.info})
-        if step == 0 and job.eval_first:
-            log({"kind": "eval", "step": 0, **job.evaluate()})
-    bar = tqdm(total=recipe.max_steps, initial=step, desc="train", disable=not main)
-    t0, last_eval = time.time(), None  # the evaluation at max_steps is the final one too
-    last = recipe.max_steps
-    while step < last:
-        epoch, pos = divmod(step * recipe.grad_accum, job.steps_per_epoch)
-        for micro in range(recipe.grad_accum):
-            batch = job.batch(epoch, (pos + micro) % job.steps_per_epoch)
-            with accelerator.accumulate(*job.modules):
-                loss, parts = job.loss(batch)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}; the last good checkpoint is {ckpt}")
-                accelerator.backward(loss)
-                job.optimizer.step()  # accelerate's wrapper steps only when the accumulated gradients are synced
-                if accelerator.sync_gradients:
-                    job.scheduler.step()
-                job.optimizer.zero_grad()
-        step += 1
-        if deadline is not None and now() > deadline and step < last:
-            accelerator.print(f"train: the deadline has passed: step {step} of {recipe.max_steps} is the last")
-            last = step
-        last_loss = float(loss.detach())
-        bar.update(1)
-        bar.set_postfix(loss=f"{last_loss:.3f}", **{k: f"{v:.4f}" for k, v in parts.items()})
-        if main and (step % recipe.eval_every == 0 or step == last):
-            last_eval = job.evaluate()
-            log({"kind": "train", "step": step, "loss": last_loss, "lr": job.scheduler.get_last_lr()[0], **parts,
-                 "seconds": time.time() - t0}, {"kind": "eval", "step": step, **last_eval})
-            plot_log(log_path, out / "train_plot.png")
-            accelerator.print(f"step {step}: " + " ".join(f"head{i + 1} top1 {last_eval[f'top1_{i + 1}']:.3f}" for i in range(recipe.num_heads)))
-        if main and (step % recipe.save_every == 0 or step == last):
-            job.save(step)
-            crash_point("train")
-        accelerator.wait_for_everyone()
-    bar.close()
+        if job.step == 0:
+            _log(log_path, {"kind": "data", **job.info})
+        if job.step == 0 and job.eval_first:
+            _log(log_path, {"kind": "eval", "step": 0, **job.evaluate()})
+    last_eval = _steps(recipe, accelerator, job, out, ckpt, deadline, now)
     if main:
         heads = accelerator.unwrap_model(job.modules[0])
         heads.config.extra = {"recipe": recipe.to_dict(), **job.extra, "final_eval": last_eval or job.evaluate()}
@@ -328,3 +278,75 @@ def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Pat
                 follow_umask(extra)
     accelerator.wait_for_everyone()
     return out
+
+
+def _accelerator(recipe: TrainRecipe, deadline: float | None):
+    """accelerate's Accelerator for this run (imported here: accelerate is only needed once training runs)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps one state per process and refuses a second run's other mixed_precision (a notebook, a sweep):
+    # each run sets its own (the process group, PartialState, stays as launched)
+    AcceleratorState._reset_state()
+    # the schedule counts optimizer steps, whatever the number of processes: accelerate's default steps a prepared
+    # scheduler once per process at each optimizer step (for a per-process schedule), so N processes would decay
+    # the learning rate N times as fast as one process on the same global batch
+    accelerator = Accelerator(mixed_precision=recipe.mixed_precision, gradient_accumulation_steps=recipe.grad_accum,
+                              step_scheduler_with_optimizer=False)
+    if deadline is not None and accelerator.num_processes > 1:
+        raise ValueError("a training deadline needs one process (the processes would stop at different steps)")
+    return accelerator
+
+
+def _log(log_path: Path, *rows: dict) -> None:
+    """Rows appended to the training log (a "data" row starts it anew)."""
+    with log_path.open("a" if rows[0]["kind"] != "data" else "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _steps(recipe: TrainRecipe, accelerator, job: Job, out: Path, ckpt: Path, deadline: float | None,
+           now: Callable[[], float]) -> dict | None:
+    """The optimizer steps from the job's to max_steps (or the deadline's), evaluated, logged and checkpointed on
+    the way; returns the last evaluation (None if none was made here)."""
+    main, step, log_path = accelerator.is_main_process, job.step, out / "train_log.jsonl"
+    bar = tqdm(total=recipe.max_steps, initial=step, desc="train", disable=not main)
+    t0, last_eval = time.time(), None  # the evaluation at max_steps is the final one too
+    last = recipe.max_steps
+    while step < last:
+        loss, parts = _optimizer_step(recipe, accelerator, job, step, ckpt)
+        step += 1
+        if deadline is not None and now() > deadline and step < last:
+            accelerator.print(f"train: the deadline has passed: step {step} of {recipe.max_steps} is the last")
+            last = step
+        last_loss = float(loss.detach())
+        bar.update(1)
+        bar.set_postfix(loss=f"{last_loss:.3f}", **{k: f"{v:.4f}" for k, v in parts.items()})
+        if main and (step % recipe.eval_every == 0 or step == last):
+            last_eval = job.evaluate()
+            _log(log_path, {"kind": "train", "step": step, "loss": last_loss, "lr": job.scheduler.get_last_lr()[0],
+                            **parts, "seconds": time.time() - t0}, {"kind": "eval", "step": step, **last_eval})
+            plot_log(log_path, out / "train_plot.png")
+            accelerator.print(f"step {step}: " + " ".join(f"head{i + 1} top1 {last_eval[f'top1_{i + 1}']:.3f}" for i in range(recipe.num_heads)))
+        if main and (step % recipe.save_every == 0 or step == last):
+            job.save(step)
+            crash_point("train")
+        accelerator.wait_for_everyone()
+    bar.close()
+    return last_eval
+
+
+def _optimizer_step(recipe: TrainRecipe, accelerator, job: Job, step: int, ckpt: Path) -> tuple[torch.Tensor, dict]:
+    """One optimizer step over grad_accum micro-batches: the last micro-batch's loss and logged parts."""
+    epoch, pos = divmod(step * recipe.grad_accum, job.steps_per_epoch)
+    for micro in range(recipe.grad_accum):
+        batch = job.batch(epoch, (pos + micro) % job.steps_per_epoch)
+        with accelerator.accumulate(*job.modules):
+            loss, parts = job.loss(batch)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}; the last good checkpoint is {ckpt}")
+            accelerator.backward(loss)
+            job.optimizer.step()  # accelerate's wrapper steps only when the accumulated gradients are synced
+            if accelerator.sync_gradients:
+                job.scheduler.step()
+            job.optimizer.zero_grad()
+    return loss, parts
