@@ -280,6 +280,29 @@ def _paths(buffers: TreeBuffers) -> np.ndarray:
     return mask[leaves].T.copy()
 
 
+def divergence_margin(engine: LlamaCppEngine, prompt: list[int], plain: list[int],
+                      other: list[int]) -> dict | None:
+    """Where `other` first leaves `plain` (llama.cpp's own plain greedy decoding of `prompt`), and by how much plain
+    decoding preferred its token there: the one-token steps teacher-forced along `plain` up to that point (the bits
+    plain decoding saw), their logit of plain's token minus that of other's. A tiny margin is a near-tie that the
+    rounding of a batched verify can flip; a large one would be a defect. None where neither leaves the other."""
+    at = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), None)
+    if at is None:
+        return None
+    session = engine.session(len(prompt) + at + 1)
+    try:
+        logits = session.prefill(torch.tensor([prompt])).logits[-1]
+        for token in plain[:at]:
+            logits = session.verify(torch.tensor([token]), chain(1), False).logits[0]
+            session.commit(torch.zeros(1, dtype=torch.long))
+    finally:
+        session.close()
+    top2 = logits.topk(2).values
+    return {"index": at, "plain": plain[at], "other": other[at], "plain_is_argmax": int(logits.argmax()) == plain[at],
+            "margin": float(logits[plain[at]] - logits[other[at]]), "top2_gap": float(top2[0] - top2[1]),
+            "logit_scale": float(logits.std())}
+
+
 def open_gguf(base, gguf: str | os.PathLike, threads: int | None = None) -> LlamaCppEngine:
     """The llama.cpp engine for transformers model `base`: `gguf` is a GGUF file of the same model, or a weight type
     ("f32", "bf16", "q8_0", "q4_1", "q4_k_m") to make from base's folder with llama.cpp's own converter and quantizer
