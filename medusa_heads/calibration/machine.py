@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+from medusa_heads import calibration  # its timing_problem read at each call (tests replace it)
+from medusa_heads.calibration.latency import level_draft_ms, ms_table, verify_latency
+from medusa_heads.default_model import cache_dir
 from medusa_heads.kernels.prepack import is_prepacked
 from medusa_heads.machine import cost_key, cpu_name, isa
 from medusa_heads.tree.adaptive import CostModel
@@ -68,8 +71,6 @@ def _digest(obj) -> str:
 
 
 def cache_path(record: dict, key: str, stored: dict) -> Path:
-    from medusa_heads.default_model import cache_dir
-
     slug = re.sub(r"[^a-z0-9]+", "-", describe(record).lower()).strip("-")[:48]
     return cache_dir() / "costs" / f"{slug}-{_digest(record)}" / f"{key}-{_digest(stored)}.json"
 
@@ -100,14 +101,10 @@ def quick_cost(target, heads, stored: CostModel, sizes: tuple[int, ...] = QUICK_
                repeats: int = QUICK_REPEATS) -> CostModel:
     """This machine's one-row verify at the stored contexts for `sizes` (smoothed over sizes as "steps": a few
     timings a size are noisy), drafting timed too; the stored batch and greedy tables read through it (scaled)."""
-    from medusa_heads.calibration.measure import level_draft_ms, verify_latency
-
     sizes = tuple(s for s in sizes if s <= stored.max_size)
-    ms = []
-    for c in stored.contexts:
-        latency = verify_latency(target, list(sizes), context=c, repeats=repeats)
-        ms.append(tuple(round(1000 * latency[n], 2) for n in sizes))
-    measured = CostModel(stored.contexts, sizes, tuple(ms), draft_ms=round(level_draft_ms(heads, repeats=10), 3),
+    ms = ms_table(lambda c: verify_latency(target, list(sizes), context=c, repeats=repeats), stored.contexts, sizes,
+                  desc=None)
+    measured = CostModel(stored.contexts, sizes, ms, draft_ms=round(level_draft_ms(heads, repeats=10), 3),
                          overhead_ms=stored.overhead_ms, fit="steps")
     return scaled(stored, measured)
 
@@ -115,8 +112,6 @@ def quick_cost(target, heads, stored: CostModel, sizes: tuple[int, ...] = QUICK_
 def local_cost(model, key: str, stored_dict: dict, stored: CostModel, log=None) -> tuple[CostModel, str]:
     """The cost model to size trees with here, and where it came from ("stored", "cached", "measured" or
     "measured, not cached": timings taken on a busy machine). Measures at most once per process and machine."""
-    from medusa_heads.calibration import timing_problem
-
     if os.environ.get(ENV, "").lower() not in ("1", "on", "yes", "true"):  # opt-in: see the module's docstring
         return stored, "stored"
     device = next(model.base_model.parameters()).device
@@ -142,7 +137,7 @@ def local_cost(model, key: str, stored_dict: dict, stored: CostModel, log=None) 
         cost = quick_cost(model.target, model.heads, stored)
         after, seconds = os.getloadavg()[0], time.perf_counter() - t0
         rows = [(c, {n: float(v) for n, v in zip(cost.sizes, row)}) for c, row in zip(cost.contexts, cost.ms)]
-        problem = timing_problem(load, after, torch.get_num_threads(), rows)
+        problem = calibration.timing_problem(load, after, torch.get_num_threads(), rows)
         if problem:
             log(f"medusa-heads: not cached ({problem}); this process uses them, the next one times again")
             return cost, "measured, not cached"
