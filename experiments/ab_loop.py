@@ -1,34 +1,32 @@
 """The loop the one-process A/B experiments share: each arm on every prompt, the arms' order reversed every other
 prompt, tokens per second per arm and how many outputs differ from a reference arm's; and its common use, builds of
-the model compared by their heads and their own `generate` (builds_ab)."""
+the model compared by their heads and their own `generate` (builds_ab), and one model under settings switched
+between calls (settings_ab). The loop itself is the library's (medusa_heads/calibration/timing.py)."""
 from __future__ import annotations
 
-import time
 from typing import Callable, Hashable
 
 import torch
 from tqdm import tqdm
 
+from medusa_heads.calibration import timing
 from medusa_heads.prompting import prompt_ids
 
 
 def alternate(tok, rows, arms: dict[Hashable, Callable[[torch.Tensor], torch.Tensor]],
               reference: Callable[[Hashable], Hashable] = lambda arm: "hf") -> tuple[dict, dict]:
     """arms: name -> run(prompt ids) -> output ids (prompt included); rows: prompts (their first turn is used);
-    reference(arm): the arm whose output each arm's is compared with. Returns (tokens/s, outputs differing) by arm."""
+    reference(arm): the arm whose output each arm's is compared with. Returns (tokens/s, outputs differing) by arm.
+    The loop is the library's (medusa_heads/calibration/timing.py: alternate)."""
     names = list(arms)
     secs, tokens, differ = ({a: 0.0 for a in names}, {a: 0 for a in names}, {a: 0 for a in names})
-    for i, row in enumerate(tqdm(rows, desc="A/B", unit="prompt")):
-        ids = prompt_ids(tok, row.turns[0])
-        outs = {}
-        for arm in (names if i % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
-            out = arms[arm](ids)
-            secs[arm] += time.perf_counter() - t0
+    prompts = (prompt_ids(tok, row.turns[0]) for row in tqdm(rows, desc="A/B", unit="prompt"))
+    for ids, results in timing.alternate(arms, prompts):
+        for arm, (out, seconds) in results.items():
+            secs[arm] += seconds
             tokens[arm] += out.shape[1] - ids.shape[1]
-            outs[arm] = out
         for arm in names:
-            differ[arm] += not torch.equal(outs[arm], outs[reference(arm)])
+            differ[arm] += not torch.equal(results[arm].output, results[reference(arm)].output)
     return {a: tokens[a] / secs[a] for a in names}, differ
 
 
@@ -47,3 +45,22 @@ def builds_ab(tok, rows, models: dict, max_new_tokens: int) -> tuple[dict, dict]
         model.generate(prompt_ids(tok, "Hello"), max_new_tokens=8)
     with torch.no_grad():
         return alternate(tok, rows, arms, reference=lambda arm: (arm[0], "generate"))
+
+
+def settings_ab(model, tok, rows, names: list[str], switch: Callable[[str], None], warm: str,
+                max_new_tokens: int) -> dict[str, list[tuple[float, object]]]:
+    """One model under two or more settings: switch(name) applies one (off the clock), then the heads' generate
+    (return_dict_in_generate) on the first turn of each (prompt file, row) of `rows`, the settings alternating per
+    prompt, after one warm-up call under `warm`. Returns {name: [(seconds, generate's output)]} in prompt order."""
+    def generate(ids: torch.Tensor):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              return_dict_in_generate=True)
+
+    switch(warm)
+    generate(prompt_ids(tok, rows[0][1].turns[0]))
+    runs = {name: [] for name in names}
+    prompts = (prompt_ids(tok, row.turns[0]) for _, row in rows)
+    for _, results in timing.alternate(dict.fromkeys(names, generate), prompts, before=switch):
+        for name, (res, seconds) in results.items():
+            runs[name].append((seconds, res))
+    return runs

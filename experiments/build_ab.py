@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +24,8 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from common import emit  # noqa: E402  scripts/common.py
+
+from medusa_heads.calibration.timing import alternate  # noqa: E402
 
 LAYOUT = {"medusa_heads": "", "inference": "inference", "tree": "tree", "training": "training", "configs": "configs"}
 
@@ -89,17 +90,15 @@ def main() -> None:
         seconds, tokens, differ = dict.fromkeys(contenders, 0.0), dict.fromkeys(contenders, 0), dict.fromkeys(contenders, 0)
         calls = dict.fromkeys(contenders, 0)
         names = list(contenders)
-        for i, row in enumerate(tqdm(rows, desc="A/B", unit="prompt")):
-            ids = prompt_ids(tok, row.turns[0])
-            outs = {}
-            for name in names if i % 2 == 0 else names[::-1]:
-                f0, t0 = forwards[0], time.perf_counter()
-                outs[name] = contenders[name](ids)
-                seconds[name] += time.perf_counter() - t0
-                calls[name] += forwards[0] - f0
-                tokens[name] += outs[name].shape[1] - ids.shape[1]
+        f0 = {}  # the forwards before each call, off its clock
+        prompts = (prompt_ids(tok, row.turns[0]) for row in tqdm(rows, desc="A/B", unit="prompt"))
+        for ids, results in alternate(contenders, prompts, before=lambda name: f0.__setitem__(name, forwards[0]),
+                                      after=lambda name: calls.__setitem__(name, calls[name] + forwards[0] - f0[name])):
+            for name, (out, dt) in results.items():
+                seconds[name] += dt
+                tokens[name] += out.shape[1] - ids.shape[1]
             for name in names:
-                differ[name] += not torch.equal(outs[name], outs["generate"])
+                differ[name] += not torch.equal(results[name].output, results["generate"].output)
     rate = {n: tokens[n] / seconds[n] for n in names}
     lines = [f"This build against {args.old}, greedy, {len(rows)} prompts ({', '.join(args.prompts)}), "
              f"{args.max_new_tokens} new tokens, {args.threads} threads, one process, alternating per prompt.", "",

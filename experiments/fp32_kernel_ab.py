@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from medusa_heads import MedusaModel, default_model_path
+from medusa_heads.calibration.timing import alternate, timings
 from medusa_heads.machine import cpu_name
 from medusa_heads.cli.commands import _read_prompts
 
@@ -67,13 +68,9 @@ def main() -> None:
     ids = torch.randint(100, 20000, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
     for tokens in [int(t) for t in args.tokens.split(",")]:
         steps = {n: step_of(m.base_model, tokens, ids) for n, m in models.items()}
-        times = {n: [] for n in names}
-        for r in range(60):
-            for n in (names if r % 2 else names[::-1]):
-                t0 = time.perf_counter()
-                steps[n]()
-                times[n].append(time.perf_counter() - t0)
-        a, b = (1000 * statistics.median(times[n][5:]) for n in names)
+        arms = {n: (lambda _, step=steps[n]: step()) for n in names[::-1]}  # the last build first at step 0
+        times = timings(arms, range(60), skip=5).seconds  # the first 5 steps warm up
+        a, b = (1000 * statistics.median(times[n]) for n in names)
         lines.append(f"| {tokens} | {a:.1f} | {b:.1f} | {a / b:.3f}× |")
         print(lines[-1], flush=True)
 
@@ -108,21 +105,22 @@ def batches(models: dict, tok, rows, sizes: list[int], max_new_tokens: int, out:
              "left-padded batches, both builds in one process, the arms alternating per batch "
              "(`python experiments/fp32_kernel_ab.py --batch-sizes ...`).", "",
              "| batch | arm | tokens/s | rows differing from its build's `generate` |", "|---|---|---|---|"]
+    def call(arm: tuple[str, str], enc):
+        m = models[arm[0]]
+        if arm[1] == "generate":
+            return m.base_model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        return m.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=max_new_tokens,
+                          pad_token_id=pad)
+
+    arms = [(n, kind) for n in names for kind in ("generate", "heads")]
     for size in sizes:
         secs, toks, differ = {}, {}, {}
-        for i in range(0, len(texts) - size + 1, size):
-            enc = tok(texts[i : i + size], return_tensors="pt", padding=True, add_special_tokens=False)
-            arms = [(n, kind) for n in names for kind in ("generate", "heads")]
+        encs = (tok(texts[i : i + size], return_tensors="pt", padding=True, add_special_tokens=False)
+                for i in range(0, len(texts) - size + 1, size))
+        for enc, results in alternate({arm: partial(call, arm) for arm in arms}, encs):
             outs = {}
-            for arm in (arms if (i // size) % 2 == 0 else arms[::-1]):
-                m = models[arm[0]]
-                t0 = time.perf_counter()
-                if arm[1] == "generate":
-                    seq = m.base_model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-                else:
-                    seq = m.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
-                                     max_new_tokens=max_new_tokens, pad_token_id=pad)
-                secs[arm] = secs.get(arm, 0.0) + time.perf_counter() - t0
+            for arm, (seq, seconds) in results.items():
+                secs[arm] = secs.get(arm, 0.0) + seconds
                 new = seq[:, enc["input_ids"].shape[1]:].tolist()
                 toks[arm] = toks.get(arm, 0) + sum(next((j + 1 for j, t in enumerate(r) if t == eos), len(r)) for r in new)
                 outs[arm] = seq

@@ -6,10 +6,10 @@ for plain generate and for medusa; contenders alternate per prompt."""
 import json
 import os
 import sys
-import time
 import torch
 from transformers import AutoTokenizer
 from medusa_heads import MedusaModel, default_model_path, prompt_ids
+from medusa_heads.calibration.timing import run_round
 
 torch.set_num_threads(2)
 path = default_model_path()
@@ -35,25 +35,25 @@ run("hf", ids)
 run("medusa", ids)
 tot = {}
 same = 0
+arms = {(k, g): (lambda ids, k=k: run(k, ids)[0]) for g in ("0", "1") for k in ("hf", "medusa")}
+
+
+def force_gqa(arm):
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = arm[1]
+
+
 for i, r in enumerate(rows):
     ids = prompt_ids(tok, r["prompt"])
     cat = r.get("category", "?")
-    combos = [(k, g) for g in ("0", "1") for k in ("hf", "medusa")]
-    combos = combos[i % 4 :] + combos[: i % 4]
-    outs = {}
-    for k, g in combos:
-        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = g
-        t = time.perf_counter()
-        seq, _ = run(k, ids)
-        dt = time.perf_counter() - t
-        outs[(k, g)] = seq
+    results = run_round(arms, ids, i, before=force_gqa, rotate=True)  # each combination first in turn
+    for (k, g), (seq, dt) in results.items():
         n = seq.shape[1] - ids.shape[1]
         for key in ((k, g, "all"), (k, g, "long" if cat.startswith("long") else "short")):
             a = tot.setdefault(key, [0, 0.0])
             a[0] += n
             a[1] += dt
-    same += all(torch.equal(outs[("hf", "0")], v) for v in outs.values())
-    print(i, cat, ids.shape[1], {f"{k}{g}": round(tot[(k, g, "all")][1], 1) for k, g in combos}, flush=True)
+    same += all(torch.equal(results[("hf", "0")].output, v.output) for v in results.values())
+    print(i, cat, ids.shape[1], {f"{k}{g}": round(tot[(k, g, "all")][1], 1) for k, g in results}, flush=True)
 print(f"identical outputs across all four: {same}/{len(rows)}")
 for part in ("short", "long", "all"):
     if ("hf", "0", part) not in tot:

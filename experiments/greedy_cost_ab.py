@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from common import emit, greedy_pass  # noqa: E402
 
-from medusa_heads.prompting import prompt_ids  # noqa: E402
+from ab_loop import settings_ab  # noqa: E402  (experiments/ is the script's folder)
 
 
 def main() -> None:
@@ -28,22 +27,13 @@ def main() -> None:
     without = copy.deepcopy(stored)
     del without["cost"][key]["greedy"]
     configs = {"full table": without, "greedy table": stored}
-    runs = {name: [] for name in configs}  # (seconds, new tokens, steps, ids, tree sizes)
 
-    def run(name: str, ids: torch.Tensor):
+    def use(name: str) -> None:
         model.config.adaptive = configs[name]
-        t = time.perf_counter()
-        res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                             return_dict_in_generate=True)
-        runs[name].append((time.perf_counter() - t, res.stats.new_tokens, res.stats.steps, res.sequences,
-                           res.stats.tree_sizes))
 
-    run("greedy table", prompt_ids(tok, rows[0][1].turns[0]))  # warm-up: builds the screen
-    runs["greedy table"].clear()
-    for i, (_, row) in enumerate(rows):
-        ids = prompt_ids(tok, row.turns[0])
-        for name in (list(configs) if i % 2 == 0 else list(configs)[::-1]):
-            run(name, ids)
+    timed = settings_ab(model, tok, rows, list(configs), use, "greedy table", args.max_new_tokens)  # warm: builds the screen
+    runs = {name: [(seconds, res.stats.new_tokens, res.stats.steps, res.sequences, res.stats.tree_sizes)
+                   for seconds, res in r] for name, r in timed.items()}  # (seconds, new tokens, steps, ids, tree sizes)
     a, b = runs.values()
     same = sum(torch.equal(x[3], y[3]) for x, y in zip(a, b))
     kernels = "stock" if args.no_prepack else "prepacked"

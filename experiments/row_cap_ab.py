@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path
+from medusa_heads.calibration.timing import alternate
 from medusa_heads.machine import cpu_name
 from medusa_heads.kernels.exactness import _products
 from medusa_heads.prompting import eos_ids, prompt_text, user_turn
@@ -62,23 +63,24 @@ def main() -> None:
     reference = {"capped": "generate, capped", "uncapped": "generate, uncapped"}
     print(f"{len(texts)} prompts in batches of {sizes}, {len(arms)} arms, {args.max_new_tokens} tokens: about "
           f"{len(sizes) * len(arms) * len(texts) * args.max_new_tokens // 60 // 25 + 1} minutes on two cores", file=sys.stderr)
+    def call(arm: str, enc):
+        if arm.startswith("generate"):
+            return model.base_model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
+        return model.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
+                              max_new_tokens=args.max_new_tokens, do_sample=False)
+
     table = []
     for size in sizes:
         secs, tokens, differ = {a: 0.0 for a in arms}, {a: 0 for a in arms}, {a: 0 for a in arms}
         batches = [texts[i : i + size] for i in range(0, len(texts), size)]
-        for n, batch in enumerate(tqdm(batches, desc=f"batches of {size}")):
-            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+        encs = (tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+                for batch in tqdm(batches, desc=f"batches of {size}"))
+        for enc, results in alternate({arm: partial(call, arm) for arm in arms}, encs, rotate=True,  # each arm first in turn
+                                      before=lambda arm: capped(not arm.endswith("uncapped"))):
             start = enc["input_ids"].shape[1]
             outs = {}
-            for arm in arms[n % len(arms) :] + arms[: n % len(arms)]:  # each arm first in turn
-                capped(not arm.endswith("uncapped"))
-                t0 = time.perf_counter()
-                if arm.startswith("generate"):
-                    out = model.base_model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
-                else:
-                    out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
-                                         max_new_tokens=args.max_new_tokens, do_sample=False)
-                secs[arm] += time.perf_counter() - t0
+            for arm, (out, seconds) in results.items():
+                secs[arm] += seconds
                 outs[arm] = [answer(r, start, eos) for r in out]
                 tokens[arm] += sum(len(a) for a in outs[arm])
             capped(True)

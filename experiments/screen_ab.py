@@ -7,7 +7,6 @@ fp32 LM head, alternating per prompt (which goes first alternates too), the ship
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -15,28 +14,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from common import emit, greedy_pass  # noqa: E402
 
-from medusa_heads.prompting import prompt_ids  # noqa: E402
+from ab_loop import settings_ab  # noqa: E402  (experiments/ is the script's folder)
 
 
 def main() -> None:
     args, model, tok, rows = greedy_pass(__doc__)
     screen = model.target.screen
-    runs = {"full": [], "screen": []}  # (seconds, new tokens, steps, ids)
 
-    def run(name: str, ids: torch.Tensor):
+    def switch(name: str) -> None:
         screen.enabled = name == "screen"
-        t = time.perf_counter()
-        res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                             return_dict_in_generate=True)
-        runs[name].append((time.perf_counter() - t, res.stats.new_tokens, res.stats.steps, res.sequences))
 
-    run("screen", prompt_ids(tok, rows[0][1].turns[0]))  # warm-up: builds the screen
-    runs["screen"].clear()
-    for i, (_, row) in enumerate(rows):
-        ids = prompt_ids(tok, row.turns[0])
-        order = ("full", "screen") if i % 2 == 0 else ("screen", "full")
-        for name in order:
-            run(name, ids)
+    timed = settings_ab(model, tok, rows, ["full", "screen"], switch, "screen", args.max_new_tokens)  # warm: builds the screen
+    runs = {name: [(seconds, res.stats.new_tokens, res.stats.steps, res.sequences) for seconds, res in r]
+            for name, r in timed.items()}  # (seconds, new tokens, steps, ids)
     same = sum(torch.equal(a[3], b[3]) for a, b in zip(runs["full"], runs["screen"]))
     kernels = "stock" if args.no_prepack else "prepacked"
     lines = [f"{len(rows)} prompts, greedy, {args.max_new_tokens} new tokens, {kernels} kernels, {args.threads} threads, "

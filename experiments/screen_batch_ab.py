@@ -2,12 +2,26 @@
 transformers' batched generate, alternating. Run from the repository's root: python experiments/screen_batch_ab.py 2,4,8"""
 
 import sys
-import time
+from functools import partial
+
 import torch
 from medusa_heads import MedusaModel
+from medusa_heads.calibration.timing import alternate
 from medusa_heads.loading import load_tokenizer
 from medusa_heads.corpus import read_prompts
 from medusa_heads.prompting import prompt_text
+
+
+def call(k, enc):  # m: the model, loaded below
+    if k == "hf":
+        return m.base_model.generate(**enc, max_new_tokens=128, do_sample=False)
+    return m.generate(**enc, max_new_tokens=128, do_sample=False)
+
+
+def switch(k):
+    if k != "hf":
+        m.target.screen.enabled = k == "screen"
+
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
@@ -26,18 +40,10 @@ if __name__ == "__main__":
             for i in range(0, 16, B)
         ]
         T = {"full": 0.0, "screen": 0.0, "hf": 0.0}
-        outs = {}
-        for i, enc in enumerate(encs):
-            for k in ["full", "screen", "hf"] if i % 2 == 0 else ["hf", "screen", "full"]:
-                t = time.perf_counter()
-                if k == "hf":
-                    o = m.base_model.generate(**enc, max_new_tokens=128, do_sample=False)
-                else:
-                    m.target.screen.enabled = k == "screen"
-                    o = m.generate(**enc, max_new_tokens=128, do_sample=False)
-                T[k] += time.perf_counter() - t
-                outs[k] = o
-            assert torch.equal(outs["full"], outs["screen"])
+        for _, results in alternate({k: partial(call, k) for k in T}, encs, before=switch):
+            for k, (_, seconds) in results.items():
+                T[k] += seconds
+            assert torch.equal(results["full"].output, results["screen"].output)
         print(
             f"B={B} seconds {({k: round(v, 2) for k, v in T.items()})}; screen/full speed {T['full'] / T['screen']:.3f}; "
             f"vs generate: full {T['hf'] / T['full']:.3f}, screen {T['hf'] / T['screen']:.3f}",

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from medusa_heads.calibration.timing import timings
 from medusa_heads.machine import cpu_name
 from medusa_heads.engines.hf_cache import crop_to, new_cache
 from medusa_heads.engines.hf import target_cache_kw
@@ -53,13 +53,9 @@ def main() -> None:
         bases = {s: load(dtype, s).base_model for s in (False, True)}
         for tokens in [int(t) for t in args.tokens.split(",")]:
             steps = {s: step_of(b, tokens, ids) for s, b in bases.items()}
-            times = {False: [], True: []}
-            for r in range(60):
-                for s in ((False, True) if r % 2 else (True, False)):
-                    t0 = time.perf_counter()
-                    steps[s]()
-                    times[s].append(time.perf_counter() - t0)
-            own, sib = (1000 * statistics.median(times[s][5:]) for s in (False, True))
+            arms = {s: (lambda _, step=steps[s]: step()) for s in (True, False)}  # siblings first at step 0
+            times = timings(arms, range(60), skip=5).seconds  # the first 5 steps warm up
+            own, sib = (1000 * statistics.median(times[s]) for s in (False, True))
             lines.append(f"| {dtype} | {tokens} | {own:.1f} | {sib:.1f} | {own / sib:.3f}× |")
             print(lines[-1], flush=True)
         del bases

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from medusa_heads import MedusaModel, prompt_ids
+from medusa_heads.calibration.timing import run_round
 from medusa_heads.cli.commands import DTYPES
 from medusa_heads.kernels.prepack import prepack_linears
 from medusa_heads.loading import load_base, load_tokenizer
@@ -96,21 +97,18 @@ def main() -> None:
     acc = defaultdict(lambda: {"seconds": 0.0, "tokens": 0, "taus": [], "same": 0, "prompts": 0})
     for i, (stem, row) in enumerate(tqdm(rows, desc="heads A/B", unit="prompt")):
         ids = prompt_ids(tok, row.turns[0])
-        outs = {}
-        for who in contenders[i % len(contenders):] + contenders[: i % len(contenders)]:
-            t0 = time.perf_counter()
-            seq, tau = run(who, ids, seed=i)
-            dt = time.perf_counter() - t0
-            outs[who] = seq
-            for key in ("overall", f"{stem}: all", f"{stem}: {row.category or 'uncategorised'}"):
+        keys = ("overall", f"{stem}: all", f"{stem}: {row.category or 'uncategorised'}")
+        results = run_round({who: partial(run, who, seed=i) for who in contenders}, ids, i, rotate=True)  # each first in turn
+        for who, ((seq, tau), dt) in results.items():
+            for key in keys:
                 a = acc[(key, who)]
                 a["seconds"] += dt
                 a["tokens"] += seq.shape[1] - ids.shape[1]
                 if tau is not None:
                     a["taus"].append(tau)
         for who in args.heads:
-            for key in ("overall", f"{stem}: all", f"{stem}: {row.category or 'uncategorised'}"):
-                acc[(key, who)]["same"] += int(torch.equal(outs[who], outs[baseline[who]]))
+            for key in keys:
+                acc[(key, who)]["same"] += int(torch.equal(results[who].output[0], results[baseline[who]].output[0]))
                 acc[(key, who)]["prompts"] += 1
 
     names = [chr(ord("A") + i) for i in range(len(args.heads))]

@@ -26,6 +26,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))  # the project's own modules in .venv-vllm too, which does not install them (last: never above vLLM's)
+from medusa_heads.calibration.timing import arm_order, timed, timings  # noqa: E402  (imports torch alone)
+
 PROMPTS = ROOT / "data" / "bench_prompts.jsonl"
 # vLLM on this CPU: fp32 (greedy equality), eager, a small KV cache, both cores. vLLM 0.32's own Medusa registers the
 # token_map tensor while loading but never reports it loaded, so its strict weight check must be off for a stock
@@ -259,9 +262,8 @@ def run_load(args: argparse.Namespace) -> None:
     totals: dict[tuple[str, int], list[float]] = {}
     metrics: dict[str, dict] = {}
     skipped: dict[str, str] = {}
-    order = list(runs)
     for rep in range(args.repeats):  # the order reverses each pass, so drift hits every contender alike
-        for name in order if rep % 2 == 0 else order[::-1]:
+        for name in arm_order(runs, rep):
             if name in skipped:
                 continue
             try:
@@ -275,9 +277,8 @@ def run_load(args: argparse.Namespace) -> None:
             for c in args.concurrency:
                 ids = chat_token_ids(base, prompts(c))
                 params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-                t = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-                dt = time.perf_counter() - t
+                outs, dt = timed(lambda llm=llm: llm.generate([{"prompt_token_ids": p} for p in ids], params,
+                                                              use_tqdm=False))
                 n = sum(len(o.outputs[0].token_ids) for o in outs)
                 tot = totals.setdefault((name, c), [0, 0.0])
                 tot[0], tot[1] = tot[0] + n, tot[1] + dt
@@ -316,13 +317,9 @@ def run_root_cost(args: argparse.Namespace) -> None:
     with torch.no_grad():
         for n in args.concurrency:
             h = torch.randn(n, cfg["hidden_size"])
-            times = {"root": [], "draft": []}
-            for i in range(args.repeats * 2 + 4):
-                for part in ("root", "draft") if i % 2 else ("draft", "root"):
-                    t = time.perf_counter()
-                    heads.root_token(h) if part == "root" else heads.draft(h)
-                    times[part].append(time.perf_counter() - t)
-            med = {k: 1000 * sorted(v[4:])[len(v[4:]) // 2] for k, v in times.items()}
+            # alternating, the draft first on even rounds; the first 4 rounds warm up
+            times = timings({"draft": heads.draft, "root": heads.root_token}, [h] * (args.repeats * 2 + 4), skip=4).seconds
+            med = {k: 1000 * sorted(v)[len(v) // 2] for k, v in times.items()}
             rows.append({"rows": n, "root_ms": round(med["root"], 3), "draft_ms": round(med["draft"], 3)})
             print(rows[-1], flush=True)
     load = ROOT / "results" / "vllm" / "load.json"
