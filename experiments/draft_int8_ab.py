@@ -42,13 +42,13 @@ def main() -> None:
             return res.sequences
         return run
 
-    if gguf:
-        plain = llamacpp.Plain(llamacpp.gguf(path, gguf), threads=args.threads)
-        reference = lambda ids: torch.tensor([ids[0].tolist() + plain.generate(ids[0].tolist(), args.max_new_tokens)[0]])
-    else:
-        base = models["fp32"].base_model
-        reference = lambda ids: base.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                              max_new_tokens=args.max_new_tokens)
+    plain = llamacpp.Plain(llamacpp.gguf(path, gguf), threads=args.threads) if gguf else None
+
+    def reference(ids):
+        if plain is not None:
+            return torch.tensor([ids[0].tolist() + plain.generate(ids[0].tolist(), args.max_new_tokens)[0]])
+        return models["fp32"].base_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                  max_new_tokens=args.max_new_tokens)
     arms = {"plain": reference, "fp32": heads("fp32"), "int8": heads("int8")}
     for arm in arms.values():
         arm(torch.tensor([tok("Hello").input_ids]))
