@@ -10,7 +10,8 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import AutoConfig, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from medusa_heads.calibration.machine import local_cost
 from medusa_heads.checkpoint import (
@@ -34,20 +35,11 @@ from medusa_heads.engines.base import Engine
 from medusa_heads.engines.hf import Target
 from medusa_heads.engines.llamacpp import open_gguf
 from medusa_heads.default_model import DEFAULT_MODEL, default_heads_path
-from medusa_heads import prompting
-from medusa_heads.loading import load_base
+from medusa_heads import generate_args, prompting
+from medusa_heads.loading import load_base, source
 from medusa_heads.tree import TreeSpec, TreeBuffers, load_tree
 from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance
 from medusa_heads.tree.ngrams import NgramStore
-
-# GenerationConfig fields generate() honours; any other field set away from its default raises.
-_SUPPORTED = {
-    "max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p",
-    "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "return_dict_in_generate",
-    "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens",
-    "prompt_lookup_num_tokens", "max_matching_ngram_size",
-}
-_IGNORED = {"transformers_version", "_from_model_config", "_commit_hash", "generation_kwargs", "cache_implementation"}
 
 
 @dataclass
@@ -235,52 +227,11 @@ class MedusaModel(nn.Module):
         self.default_tree = tree
 
     # ---- generation ---------------------------------------------------------------------------------------------
-    def _max_new_tokens(self, input_ids: torch.Tensor, gc: GenerationConfig,
-                        generation_config: GenerationConfig | None, kwargs: dict) -> int:
-        """New tokens to generate, as transformers counts them from max_new_tokens or max_length."""
-        prompt = input_ids.shape[1]
-        context = getattr(self.base_model.config, "max_position_embeddings", None)
-        if gc.max_new_tokens is not None:
-            max_new = gc.max_new_tokens
-        elif kwargs.get("max_length") is None and getattr(generation_config, "max_length", None) is None \
-                and self.base_model.generation_config.max_length is None:  # no length set anywhere: as transformers,
-            max_new = gc.max_length  # its default max_length (20) counts new tokens, within the model's context
-            if context is not None:
-                max_new = min(max_new, context - prompt)
-            warnings.warn(f"Using the model-agnostic default `max_length` (={prompt + max_new}) to control "
-                          "the generation length. We recommend setting `max_new_tokens` to control the maximum length "
-                          "of the generation.", UserWarning, stacklevel=3)
-        else:
-            max_new = gc.max_length - prompt
-        if max_new < 1 and gc.max_new_tokens is not None:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
-        if max_new < 1:
-            raise ValueError(f"the prompt has {prompt} tokens and max_length is {gc.max_length}: nothing is "
-                             f"left to generate; set max_new_tokens instead")
-        if context is not None and prompt > context:
-            raise ValueError(f"the prompt has {prompt} tokens, more than the model's context of {context} "
-                             f"(max_position_embeddings); shorten it")
-        return max_new
-
     def generation_config_for(self, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
         """The settings generate() would run with for these arguments: the base model's generation config (or the one
-        given) updated by kwargs, transformers' defaults for what is unset. Raises for what generate() cannot honour."""
-        gc = copy.deepcopy(generation_config or self.base_model.generation_config)
-        unused = gc.update(**kwargs)
-        if unused:
-            raise TypeError(f"generate() got arguments it does not support: {', '.join(sorted(unused))}")
-        # Fields still unset take transformers' own global defaults (max_length=20, top_k=50, ...), as in its generate.
-        defaults = GenerationConfig._get_default_generation_params()
-        for key, value in defaults.items():
-            if getattr(gc, key, None) is None:
-                setattr(gc, key, value)
-        default = {**GenerationConfig().to_dict(), **defaults}
-        for key, value in gc.to_dict().items():
-            if key in _SUPPORTED or key in _IGNORED or key not in default:
-                continue
-            if value != default[key] and not (_unset(value) and _unset(default[key])):
-                raise ValueError(f"generate() does not support {key}={value!r} (medusa-heads supports: {', '.join(sorted(_SUPPORTED))})")
-        return gc
+        given) updated by kwargs, transformers' defaults for what is unset. Raises for what generate() cannot honour
+        (generate_args.py)."""
+        return generate_args.generation_config_for(self.base_model, generation_config, **kwargs)
 
     @torch.no_grad()
     def generate(
@@ -314,8 +265,8 @@ class MedusaModel(nn.Module):
         batches of these kernels (`medusa-heads calibrate --parts batch`); the default drafts the fixed tree
         otherwise. Nothing about a call is stored on the model: calls with different trees may run side by side."""
         gc = self.generation_config_for(generation_config, **kwargs)
-        attention_mask, batched = _check_prompt(input_ids, attention_mask, gc, streamer)
-        max_new = self._max_new_tokens(input_ids, gc, generation_config, kwargs)
+        attention_mask, batched = generate_args.check_prompt(input_ids, attention_mask, gc, streamer)
+        max_new = generate_args.max_new_tokens(self.base_model, input_ids, gc, generation_config, kwargs)
         eos = set(prompting.eos_ids(gc.eos_token_id))
 
         plan = make_plan(self.drafting(), self.engine, gc, rows=input_ids.shape[0], prompt_len=input_ids.shape[1], tree=tree,
@@ -336,25 +287,6 @@ class MedusaModel(nn.Module):
         if gc.return_dict_in_generate:
             return MedusaGenerateOutput(sequences, stats)
         return sequences
-
-
-def _check_prompt(input_ids, attention_mask: torch.Tensor | None, gc: GenerationConfig,
-                  streamer) -> tuple[torch.Tensor | None, bool]:
-    """(the attention mask, inferred as transformers does where none is given; whether this is a batch)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids is empty: give at least one prompt token")
-    if attention_mask is None:  # padding is wherever pad_token_id sits, if it is not EOS
-        pad = gc.pad_token_id
-        if pad is not None and pad not in prompting.eos_ids(gc.eos_token_id) and bool((input_ids == pad).any()):
-            attention_mask = (input_ids != pad).long()
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
-    batched = input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.all()))
-    if batched and streamer is not None:
-        raise ValueError("streamers take one sequence: batched generation (or a padded prompt) cannot stream")
-    return attention_mask, batched
 
 
 def _check_kernels_asked(quantize: str | None, gguf) -> None:
@@ -447,10 +379,6 @@ def _draft_dtype(lm_weight: torch.Tensor) -> torch.dtype:
     return lm_weight.dtype
 
 
-def _unset(value) -> bool:
-    return value is None or value is False or value == 0 or value == {} or value == []
-
-
 def _merge_adapter(base: PreTrainedModel, heads: Path) -> PreTrainedModel:
     """Heads trained jointly with LoRA (Medusa-2) come with their adapter: merge it into `base` (in place; the
     caller checked that the heads were trained for this base). Generation is then exact for the ADAPTED model."""
@@ -492,11 +420,6 @@ def exact_attention_kwargs(name: str | os.PathLike, base_kwargs: dict) -> dict:
 def _takes_attention_interface(name: str | os.PathLike, base_kwargs: dict) -> bool:
     """Whether the class that would load `name` runs its attention through transformers' attention interface (its
     config read alone; False where that class cannot be told, as for remote code)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from medusa_heads.loading import source
-
     try:
         config = AutoConfig.from_pretrained(source(name), trust_remote_code=base_kwargs.get("trust_remote_code", False))
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]

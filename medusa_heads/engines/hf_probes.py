@@ -3,16 +3,15 @@ tree's rows its plain steps bit for bit (exactness_problem)? Small trees on the 
 from __future__ import annotations
 
 import torch
-
 from torch import nn
+from transformers import DynamicCache
 
 from medusa_heads.engines.hf import Target
 from medusa_heads.engines.hf_cache import crop_to, keep_accepted, new_cache
 from medusa_heads.kernels import exact_attention, int8
 from medusa_heads.kernels.exactness import first_dependent_rows, has_attention_sinks
 from medusa_heads.kernels.prepack import PackedLinear
-from medusa_heads.tree.buffers import build_buffers, from_parents
-from medusa_heads.tree.spec import TreeSpec
+from medusa_heads.tree.buffers import from_parents
 
 _UNSUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -34,24 +33,23 @@ def check_tree_attention(target: Target) -> None:
     window = target.layout.smallest_window
     n = 2 if window is None else window + 2  # the tree's nodes see past the window's first edge
     prefix = torch.cat([a, (torch.arange(1, n, device=device) * 7 + 17) % vocab])  # (n,)
-    buffers = build_buffers(TreeSpec.from_paths([[0], [1]])).to(device)
+    tokens = torch.cat([w, y, z])  # w, then y and z below it
+
+    def forward(cache, path):  # plain: the whole text in one forward, no cache; the second branch's on to `a`
+        text = torch.cat([prefix, tokens[list(path)], *([a] if path == (0, 2) else [])])
+        return model(text[None]).logits[0, n:]
+
     try:
-        cache = new_cache(model)
-        target.prefill(prefix[None], cache)
-        tree = target.verify(torch.cat([w, y, z]), n, cache, buffers)
+        rows, plain, cache = _tree_against_plain(target, prefix, tokens, (-1, 0, 0), forward)
         keep_accepted(cache, n, torch.tensor([0, 2], device=device))
-        after = target.verify(torch.cat([a, w]), n + 2, cache, build_buffers(TreeSpec.from_paths([[0]])).to(device))
-        plain_y = model(torch.cat([prefix, w, y])[None]).logits[0, -1]
-        plain_z = model(torch.cat([prefix, w, z, a])[None]).logits[0, -2:]
+        after = target.verify(torch.cat([a, w]), n + 2, cache, from_parents((-1, 0), device))
     except Exception as e:  # report any failure of the probe as "unsupported", with its cause
         raise ValueError(f"{name} cannot be driven with a custom 4D attention mask and cache surgery: {e}") from e
     tol = 1e-3 if model.dtype == torch.float32 else 5e-2
-    scale = plain_z.abs().max().clamp_min(1.0)
-    checks = {
-        "tree branch 1": (tree.logits[1], plain_y),
-        "tree branch 2": (tree.logits[2], plain_z[0]),
-        "after keeping branch 2": (after.logits[0], plain_z[1]),
-    }
+    scale = plain[(0, 2)][1:].abs().max().clamp_min(1.0)
+    branch = {node: (got, want) for node, got, want in rows}
+    checks = {"tree branch 1": branch[1], "tree branch 2": branch[2],
+              "after keeping branch 2": (after.logits[0], plain[(0, 2)][2])}
     for what, (got, want) in checks.items():
         err = float((got.float() - want.float()).abs().max() / scale)
         if err > tol:
@@ -111,21 +109,33 @@ def _probe(target) -> int:
     """How many rows of a 7-node tree (two branches) verified after a 12-token prefix differ from plain steps."""
     model = target.model
     vocab = model.get_output_embeddings().weight.shape[0]
-    device = model.device
     past = 12
-    ids = ((torch.arange(past + 7, device=device) * 7919 + 17) % vocab)
-    prefix, tokens = ids[None, :past], ids[past:]
-    parents = (-1, 0, 1, 2, 0, 4, 5)  # root; a chain of three below it; a second chain of two
-    buffers = from_parents(parents, device)
-    cache = new_cache(model, past + 16)
-    target.prefill(prefix, cache)
-    tree = target.verify(tokens, past, cache, buffers).logits
-    differ = set()
-    for path in ((0, 1, 2, 3), (0, 4, 5, 6)):
+    ids = ((torch.arange(past + 7, device=model.device) * 7919 + 17) % vocab)
+    prefix, tokens = ids[:past], ids[past:]
+
+    def steps(cache, path):  # plain steps along the path, on the prefix's cache
         crop_to(cache, past)
-        for depth, node in enumerate(path):
-            step = target.step(tokens[node : node + 1], past + depth, cache).logits[-1]
-            if not torch.equal(tree[node], step):
-                differ.add(node)
+        return [target.step(tokens[node : node + 1], past + depth, cache).logits[-1] for depth, node in enumerate(path)]
+
+    parents = (-1, 0, 1, 2, 0, 4, 5)  # root; a chain of three below it; a second chain of two
+    rows, _, cache = _tree_against_plain(target, prefix, tokens, parents, steps, past + 16)
     crop_to(cache, past)
-    return len(differ)
+    return len({node for node, got, want in rows if not torch.equal(got, want)})
+
+
+def _tree_against_plain(target: Target, prefix: torch.Tensor, tokens: torch.Tensor, parents: tuple[int, ...], plain,
+                        capacity: int | None = None) -> tuple[list, dict, DynamicCache]:
+    """What both probes run: the tree of `tokens` (node i below node parents[i]; the root's is -1) verified after
+    `prefix` (1-D) on a new cache (of `capacity`), then plain(cache, path) along each of its paths from the root to a
+    leaf: plain decoding's logits there, a row for each node of the path in turn (and any past its leaf).
+    Returns ([(node, its row in the tree, its plain row)] path after path, {path: plain's logits}, the cache)."""
+    model = target.model
+    buffers = from_parents(parents, model.device)
+    cache = new_cache(model, capacity)
+    target.prefill(prefix[None], cache)
+    tree = target.verify(tokens, prefix.shape[0], cache, buffers).logits
+    plain_rows = {}
+    for path in (tuple(p[:n].tolist()) for p, n in zip(buffers.paths, buffers.path_len)):
+        plain_rows[path] = plain(cache, path)
+    rows = [(node, tree[node], row) for path, along in plain_rows.items() for node, row in zip(path, along)]
+    return rows, plain_rows, cache

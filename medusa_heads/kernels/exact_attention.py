@@ -31,7 +31,11 @@ import weakref
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from medusa_heads.kernels import prepack
+from medusa_heads.kernels.invariance import COUNTS, rows_change_at
 
 FREE_TAIL: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 """Preallocated cache buffers (engines/hf_cache.py registers them), by storage address, while they live: past a
@@ -149,9 +153,6 @@ def _padded(value: torch.Tensor, width: int) -> torch.Tensor:
 @functools.cache
 def register() -> str:
     """Registers the attention (and eager's mask builder for it) with transformers; returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
     AttentionInterface.register(NAME, exact_attention)
     AttentionMaskInterface.register(NAME, eager_mask)
     return NAME
@@ -172,24 +173,18 @@ def rows_invariant(dtype: torch.dtype, device: str = "cpu", sizes: tuple[tuple[i
         (576, 576), (1536, 576), (576, 1536), (960, 576), (3072, 576), (64, 64), (512, 64))) -> bool:
     """Whether this machine's products give a row the same bits whatever the number of rows beside it (1 to 32),
     for linears of these (out, in) sizes (SmolLM2's, its q, k and v stacked, its gate and up stacked) and both orders
-    of batched products: the kernels' half of exactness."""
-    from medusa_heads.kernels.prepack import packs
-
+    of batched products: the kernels' half of exactness (invariance.rows_change_at)."""
     gen = torch.Generator().manual_seed(0)
     for out_f, in_f in sizes:
         w = (torch.randn(out_f, in_f, generator=gen) * 0.05).to(dtype).to(device)
         x = torch.randn(32, in_f, generator=gen).to(dtype).to(device)
         products = [lambda a, w=w: nn.functional.linear(a, w)]
-        if device == "cpu" and packs(dtype):  # the prepacked linears too (medusa_heads/kernels/prepack.py)
+        if device == "cpu" and prepack.packs(dtype):  # the prepacked linears too (medusa_heads/kernels/prepack.py)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
             products.append(lambda a, p=packed: torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], ""))
-        for product in products:
-            alone = torch.cat([product(x[i : i + 1]) for i in range(32)])
-            for m in (2, 5, 8, 16, 32):
-                if not torch.equal(product(x[:m]), alone[:m]):
-                    return False
-        xb = x.view(1, 1, 32, in_f).expand(2, 3, 32, in_f)
-        alone = torch.cat([torch.matmul(xb[:, :, i : i + 1], w.T) for i in range(32)], dim=2)
-        if not torch.equal(torch.matmul(xb[:, :, :8], w.T), alone[:, :, :8]):
+        if any(rows_change_at(product, x, COUNTS) is not None for product in products):
+            return False
+        batched = x.view(1, 1, 32, in_f).expand(2, 3, 32, in_f)  # a (2, 3) batch of the same rows
+        if rows_change_at(lambda a, w=w: torch.matmul(a, w.T), batched, (8,)) is not None:
             return False
     return True

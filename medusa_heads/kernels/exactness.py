@@ -18,31 +18,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from medusa_heads.kernels.int8 import Int8Linear, is_int8
+from medusa_heads.kernels.invariance import rows_change_at
+from medusa_heads.kernels.prepack import PackedLinear
+
 MAX_ROWS = 64  # products are checked for 2 .. this many rows (cap_rows)
 
 
 def first_dependent_rows(product, in_features: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                          max_rows: int = MAX_ROWS) -> int | None:
     """The smallest number of rows m (2 .. max_rows) at which product(x[:m]) gives a row other bits than product of
-    that row alone; None if none does. Every row is compared: a kernel may take the rows past a block (32 rows for
-    oneDNN's bf16 linears with AMX) another way and leave the first ones as they were."""
+    that row alone; None if none does (invariance.rows_change_at, on two inputs: whether a row's bits move can
+    depend on its values). Every row is compared: a kernel may take the rows past a block (32 rows for oneDNN's bf16
+    linears with AMX) another way and leave the first ones as they were."""
     first = None
-    for seed, scale in ((0, 1.0), (1, 8.0)):  # two inputs: whether a row's bits move can depend on its values
+    for seed, scale in ((0, 1.0), (1, 8.0)):
         gen = torch.Generator().manual_seed(seed)
         x = (torch.randn(max_rows, in_features, generator=gen) * scale).to(dtype=dtype, device=device)
         with torch.no_grad():
-            alone = torch.cat([product(x[i : i + 1]) for i in range(max_rows)])
-            for m in range(2, max_rows + 1 if first is None else first):
-                if not torch.equal(product(x[:m]), alone[:m]):
-                    first = m
-                    break
+            found = rows_change_at(product, x, range(2, max_rows + 1 if first is None else first))
+        first = first if found is None else found
     return first
 
 
 def _products(model: nn.Module):
     """The model's distinct packed products: each PackedLinear, or the one its siblings share."""
-    from medusa_heads.kernels.prepack import PackedLinear
-
     seen = set()
     for m in model.modules():
         if isinstance(m, PackedLinear) and m.enabled:
@@ -58,8 +58,6 @@ def cap_rows(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[tuple, int | No
     changes one); None where every count up to max_rows keeps them. fp32 makes no bit-for-bit promise, and int8's
     integer sums are exact at any row count: they are left as they are.
     Returns {(kernel, out, in): cap}."""
-    from medusa_heads.kernels.int8 import Int8Linear
-
     caps: dict[tuple, int | None] = {}
     for kernel in _products(model):
         if kernel.packed_as[0] != torch.bfloat16 or isinstance(kernel, Int8Linear):
@@ -82,6 +80,4 @@ def has_attention_sinks(model: nn.Module) -> bool:
 
 def promises_exact(model: nn.Module) -> bool:
     """Whether this model's greedy output is promised bit for bit: a CPU model in bf16, or with int8 linears."""
-    from medusa_heads.kernels.int8 import is_int8
-
     return model.device.type == "cpu" and (model.dtype == torch.bfloat16 or is_int8(model))
