@@ -28,7 +28,7 @@ from medusa_heads.kernels.exact_attention import register as register_exact_atte
 from medusa_heads.kernels.int8 import int8_rows_invariant, int8_supported, quantize_linears
 from medusa_heads.inference.plan import ADAPTIVE, Drafting, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
-from medusa_heads.kernels.draft_int8 import INT8, int8_heads
+from medusa_heads.kernels.draft_int8 import INT8, draft_int8_supported, int8_heads
 from medusa_heads.kernels.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
 from medusa_heads.engines.hf_probes import check_tree_attention, exactness_problem
 from medusa_heads.engines.base import Engine
@@ -166,8 +166,8 @@ class MedusaModel(nn.Module):
         heads, with a warning); None for new heads, shaped by num_heads .. draft_vocab (MedusaConfig).
         tree: the default tree of calls that name none (set_tree); generate(..., tree=) chooses per call.
         prepack: the base's linears on packed CPU kernels (default: where this call loads the base onto a CPU);
-        loaded heads are packed on a CPU either way. draft_dtype: the heads' dtype (default: bf16 on a CPU with bf16
-        kernels). quantize="int8": the base's linears on oneDNN's int8 GEMM (CPU). A bf16 or int8 base this call
+        loaded heads are packed on a CPU either way. draft_dtype: the heads' dtype (default on a CPU: bf16 with bf16
+        kernels, else torch.int8, weight-only). quantize="int8": the base's linears on oneDNN's int8 GEMM (CPU). A bf16 or int8 base this call
         loads gets the row-exact attention where this CPU's products allow it; `model.exact` says what was checked.
         gguf: the target on llama.cpp: a GGUF file of this base, or a weight type (f32, bf16, q8_0, q4_1, q4_k_m)
         converted from the base's folder once; threads: llama.cpp's threads (default: torch's)."""
@@ -373,10 +373,14 @@ def _build_heads(base: PreTrainedModel, heads, config: MedusaConfig | None, fing
 
 
 def _draft_dtype(lm_weight: torch.Tensor) -> torch.dtype:
-    """bf16 where a CPU has oneDNN bf16 kernels and the base runs in fp32, else the base's own dtype."""
-    if lm_weight.device.type == "cpu" and lm_weight.dtype == torch.float32 and bf16_supported():
+    """For an fp32 base on a CPU: bf16 where oneDNN has bf16 kernels, else weight-only int8 where this PyTorch has it
+    (a quarter of fp32's bytes a product: results/ab/draft_int8); else the base's own dtype. The target verifies
+    every guess, so the drafts' dtype moves speed, never the output."""
+    if lm_weight.device.type != "cpu" or lm_weight.dtype != torch.float32:
+        return lm_weight.dtype
+    if bf16_supported():
         return torch.bfloat16
-    return lm_weight.dtype
+    return INT8 if draft_int8_supported() else lm_weight.dtype
 
 
 def _merge_adapter(base: PreTrainedModel, heads: Path) -> PreTrainedModel:
