@@ -128,4 +128,5 @@ class TypicalAcceptance:
 
     def accept(self, tree_tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, int]:
         probs = target_probs(logits, self.warpers)
-        return accept_typical(tree_tokens, probs, buffers, self.posterior_threshold, self.posterior_alpha, self.generator)
+        return accept_typical(tree_tokens, probs, buffers, self.posterior_threshold, self.posterior_alpha,
+                              self.generator)

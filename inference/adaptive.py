@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from medusa_heads.heads import MedusaHeads
-from medusa_heads.tree.adaptive import Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, best_size, expected_tokens
+from medusa_heads.tree.adaptive import (Acceptance, CostModel, LookupAcceptance, PhraseAcceptance, best_size,
+                                        expected_tokens)
 from medusa_heads.tree.buffers import TreeBuffers, from_parents
 from medusa_heads.tree.ngrams import NgramStore
 from medusa_heads.inference.propose import MAX_NGRAM, Draft, lookup_continuations
@@ -43,9 +44,10 @@ class Correction:
     rate -> sigmoid(logit(rate) + b), fitted to the call's observed acceptance: the maximum a posteriori b under a
     Gaussian prior with the information of PRIOR observations at p = 1/2, a few Newton steps after each verify.
     A shift in log-odds moves a rate of 1/2 most and rates near 0 or 1 least, which is how the heads' rates miss on
-    text they have not seen (docs/how-it-works.md, "The tree is chosen per step"); a factor moves the high rates most and clips them at 1. Trials are kept as the rates before the shift, so b
-    measures the stored calibration's error, not what remains of it after an earlier b; and they are counted by
-    (slot, rate to 0.01 in log-odds), so a fit costs the same after 100 steps as after 5,000."""
+    text they have not seen (docs/how-it-works.md, "The tree is chosen per step"); a factor moves the high rates most
+    and clips them at 1. Trials are kept as the rates before the shift, so b measures the stored calibration's error,
+    not what remains of it after an earlier b; and they are counted by (slot, rate to 0.01 in log-odds), so a fit
+    costs the same after 100 steps as after 5,000."""
 
     def __init__(self, slots: int) -> None:
         self.shift = [0.0] * slots
@@ -109,7 +111,8 @@ class AdaptiveDrafter:
         if topk < 1 or beam < 1 or lookup_branches < 1:
             raise ValueError(f"topk, beam and lookup_branches must be >= 1, got {topk}, {beam} and {lookup_branches}")
         if lookup_tokens and lookup is None:
-            raise ValueError("prompt lookup in a per-step tree needs its measured acceptance (run medusa-heads calibrate)")
+            raise ValueError("prompt lookup in a per-step tree needs its measured acceptance "
+                             "(run medusa-heads calibrate)")
         if (phrases is None) != (phrase_acceptance is None):
             raise ValueError("an n-gram store drafts only with its measured acceptance, and the other way round "
                              "(medusa-heads calibrate --parts ngrams makes both)")
@@ -176,7 +179,8 @@ class AdaptiveDrafter:
         """This row's candidates (see _candidates_rows)."""
         return self._candidates_rows(h[None], [sequence], verify_ms)[0]
 
-    def _candidates_rows(self, hidden: torch.Tensor, sequences: list[torch.Tensor], verify_ms: list[float]) -> list["Candidates"]:
+    def _candidates_rows(self, hidden: torch.Tensor, sequences: list[torch.Tensor],
+                         verify_ms: list[float]) -> list["Candidates"]:
         """Each row's candidates for a step whose verify costs verify_ms (1..S tree tokens): the heads' level by
         level while a level could pay for the row (_worth_drafting), the lookup's and the phrasebook's merged in, and
         the S - 1 most valuable in order. A level runs once for all the rows that draft it (a head reads its weights
@@ -261,10 +265,12 @@ class AdaptiveDrafter:
 
     def _continuations(self, sequence: torch.Tensor) -> list[tuple[list[int], list[float], int]]:
         """The continuations to merge, each with its tokens' calibrated rates given their parents and its slot:
-        prompt lookup's, then the phrasebook's (its j-th token rated at depth j by its confidence and matched length)."""
+        prompt lookup's, then the phrasebook's (its j-th token rated at depth j by its confidence and matched
+        length)."""
         out = []
         if self.lookup_tokens:
-            found, ngram = lookup_continuations(sequence, self.lookup_tokens, self.max_ngram, self.min_ngram, self.branches)
+            found, ngram = lookup_continuations(sequence, self.lookup_tokens, self.max_ngram, self.min_ngram,
+                                                self.branches)
             out += [(f.tolist(), self.lookup.chain(ngram, len(f)), 0) for f in found]
         if self.phrases is not None:
             found, confidence, orders = self.phrases.chain(sequence[-self.phrases.max_n:].tolist(),

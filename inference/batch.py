@@ -19,14 +19,16 @@ if TYPE_CHECKING:
 
 @torch.no_grad()
 def decode_batch(engine: Engine, plan: "DecodePlan", input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 max_new_tokens: int, eos: set[int], pad_token_id: int, stopping=None) -> tuple[torch.Tensor, DecodeStats]:
+                 max_new_tokens: int, eos: set[int], pad_token_id: int,
+                 stopping=None) -> tuple[torch.Tensor, DecodeStats]:
     """input_ids, attention_mask: (B, L), left-padded. Returns ((B, L + longest) tokens, stats)."""
     stats, clock = DecodeStats(), time.perf_counter
     b_size, prompt_len = input_ids.shape
     # a row's entries end by prompt_len + max_new_tokens; past the guess (a larger tree) the cache grows
     rows = engine.batch(input_ids, attention_mask, prompt_len + max_new_tokens + plan.max_size)
 
-    sequences = torch.full((b_size, prompt_len + max_new_tokens), pad_token_id, dtype=torch.long, device=input_ids.device)
+    sequences = torch.full((b_size, prompt_len + max_new_tokens), pad_token_id, dtype=torch.long,
+                           device=input_ids.device)
     sequences[:, :prompt_len] = input_ids
     t0 = clock()
     out = rows.prefill()

@@ -22,7 +22,8 @@ class DecodeStats:
     tokens_per_step: list[int] = field(default_factory=list)  # new tokens per target forward; [0] is the prefill
     rows_per_step: list[int] = field(default_factory=list)  # batched decoding: rows still running at each forward
     tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified at each step (each row's, batched)
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", "propose", "verify", "accept", "commit"), 0.0))
+    seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("prefill", "propose", "verify", "accept", "commit"), 0.0))
 
     @property
     def steps(self) -> int:

@@ -156,5 +156,6 @@ def tree_buffers(spec: TreeSpec, device: torch.device | str) -> TreeBuffers:
     key = (tuple(spec.paths), str(device))
     found = _buffers.get(key)
     if found is None:
-        found = _buffers.setdefault(key, build_buffers(spec).to(device)) if len(_buffers) < 256 else build_buffers(spec).to(device)
+        found = (_buffers.setdefault(key, build_buffers(spec).to(device)) if len(_buffers) < 256
+                 else build_buffers(spec).to(device))
     return found

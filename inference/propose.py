@@ -119,7 +119,8 @@ class LookupDrafter:
     below as a chain, so a step costs extra verify positions only for tokens the heads did not draft. Acceptance
     is unchanged (longest path the target agrees with), so output stays exactly the target's."""
 
-    def __init__(self, inner: Drafter, lookup_tokens: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
+    def __init__(self, inner: Drafter, lookup_tokens: int, max_ngram: int = MAX_NGRAM,
+                 min_ngram: int = MIN_NGRAM) -> None:
         if lookup_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"prompt lookup needs lookup_tokens >= 1 and 1 <= min_ngram <= max_ngram, got "
                              f"{lookup_tokens}, {min_ngram}, {max_ngram}")

@@ -74,7 +74,8 @@ def draw(logits: torch.Tensor, warpers: LogitsProcessorList, generator: torch.Ge
     return ids.gather(-1, sample(torch.softmax(kept, dim=-1), generator)[:, None])[:, 0]
 
 
-def build_processors(gc: GenerationConfig, prompt_length: int, extra: LogitsProcessorList | None = None) -> LogitsProcessorList:
+def build_processors(gc: GenerationConfig, prompt_length: int,
+                     extra: LogitsProcessorList | None = None) -> LogitsProcessorList:
     """The context-dependent processors transformers' generate builds for `gc` (same order), then the user's."""
     eos = gc.eos_token_id
     p = LogitsProcessorList()

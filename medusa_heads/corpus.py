@@ -22,8 +22,8 @@ class PromptRow:
 
 
 def read_prompts(path: str | os.PathLike) -> list[PromptRow]:
-    """Read JSONL rows (gzipped if the name ends in .gz) {"prompt": str} or {"turns": [str, ...]}, optionally with "id", "source", "category".
-    A malformed line raises ValueError naming the file and line."""
+    """Read JSONL rows (gzipped if the name ends in .gz) {"prompt": str} or {"turns": [str, ...]}, optionally with
+    "id", "source", "category". A malformed line raises ValueError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no prompts file at {path}")
@@ -33,7 +33,8 @@ def read_prompts(path: str | os.PathLike) -> list[PromptRow]:
           else path.open(encoding="utf-8", errors="surrogateescape")) as f:
         for n, line in enumerate(f, 1):
             if any("\udc80" <= c <= "\udcff" for c in line):
-                raise ValueError(f"{path}:{n}: not valid UTF-8 text; convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+                raise ValueError(f"{path}:{n}: not valid UTF-8 text; convert the file to UTF-8 "
+                                 "(e.g. iconv -f latin1 -t utf-8)")
             if not line.strip():
                 continue
             where = f"{path}:{n}"
@@ -52,7 +53,8 @@ def read_prompts(path: str | os.PathLike) -> list[PromptRow]:
                 raise ValueError(f"{where}: empty prompt")
             rid = str(obj.get("id", f"{stem}:{n}"))
             if VARIANT_SEP in rid or "#" in rid:
-                raise ValueError(f"{where}: id {rid!r} contains '{VARIANT_SEP}' or '#', which mark answer variants and turns")
+                raise ValueError(f"{where}: id {rid!r} contains '{VARIANT_SEP}' or '#', which mark answer variants "
+                                 "and turns")
             if rid in seen:
                 raise ValueError(f"{where}: duplicate id {rid!r}")
             seen.add(rid)
@@ -72,7 +74,8 @@ def as_variant(rows: list[PromptRow], variant: str) -> list[PromptRow]:
     """The same prompts under ids "<id>~<variant>", so that a further pass of distill appends a second answer to
     each prompt instead of skipping it as done."""
     if not variant or any(c in variant for c in (VARIANT_SEP, "#")) or variant != variant.strip():
-        raise ValueError(f"a variant name must be non-empty, without spaces around it and without '~' or '#', got {variant!r}")
+        raise ValueError("a variant name must be non-empty, without spaces around it and without '~' or '#', "
+                         f"got {variant!r}")
     return [PromptRow(f"{r.id}{VARIANT_SEP}{variant}", r.turns, r.source, r.category) for r in rows]
 
 
@@ -115,7 +118,8 @@ def read_conversations(path: str | os.PathLike, repair: bool = False) -> list[di
     # split on "\n" only: str.splitlines() would also split inside strings holding U+2028 and friends
     for n, line in enumerate(data[:complete].decode("utf-8", errors="surrogateescape").split("\n"), 1):
         if any("\udc80" <= c <= "\udcff" for c in line):
-            raise ValueError(f"{path}:{n}: not valid UTF-8 text; convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+            raise ValueError(f"{path}:{n}: not valid UTF-8 text; convert the file to UTF-8 "
+                             "(e.g. iconv -f latin1 -t utf-8)")
         if not line.strip():
             continue
         try:
@@ -159,9 +163,9 @@ def check_eval_split(conv_ids: list[str], fraction: float, where: str) -> None:
     hashes = sorted(zlib.crc32(p.encode()) % 10_000 for p in prompts)
     suggest = (hashes[0] + 1) / 10_000  # the smallest fraction that holds out the first prompt (and not the last)
     side = "evaluation" if held == 0 else "training"
-    raise ValueError(f"{where}: none of the {len(prompts)} prompts falls in the {side} split (eval_fraction {fraction}, "
-                     f"chosen by a hash of each id); pass --set eval_fraction={suggest:g} (it holds out "
-                     f"{sum(h < suggest * 10_000 for h in hashes)} of them), or distill more prompts")
+    raise ValueError(f"{where}: none of the {len(prompts)} prompts falls in the {side} split "
+                     f"(eval_fraction {fraction}, chosen by a hash of each id); pass --set eval_fraction={suggest:g} "
+                     f"(it holds out {sum(h < suggest * 10_000 for h in hashes)} of them), or distill more prompts")
 
 
 def is_eval(conv_id: str, fraction: float) -> bool:

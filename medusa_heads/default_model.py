@@ -37,7 +37,8 @@ EMBEDDED = {
 
 def cache_dir() -> Path:
     """Where converted models live: $MEDUSA_HEADS_CACHE, else ~/.cache/medusa-heads."""
-    root = os.environ.get("MEDUSA_HEADS_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa-heads"
+    root = (os.environ.get("MEDUSA_HEADS_CACHE")
+            or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa-heads")
     return Path(root)
 
 
@@ -183,7 +184,8 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
     url = urlparse(hub_endpoint())
     try:
-        with socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), timeout):
+        with socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout):
             return True
     except OSError:
         return False
@@ -219,7 +221,8 @@ def check_model_name(name: str | os.PathLike) -> None:
     if looks_local:
         raise FileNotFoundError(f"{text}: no such directory; {give}")
     close = difflib.get_close_matches(text.lower(), EMBEDDED_MODELS, n=1, cutoff=0.8)
-    embedded = f"the embedded model{'s are' if len(EMBEDDED_MODELS) > 1 else ' is'} {', '.join(map(repr, EMBEDDED_MODELS))}"
+    embedded = (f"the embedded model{'s are' if len(EMBEDDED_MODELS) > 1 else ' is'} "
+                f"{', '.join(map(repr, EMBEDDED_MODELS))}")
     if close and "/" not in text:
         raise FileNotFoundError(f"{text}: no such model; did you mean {close[0]!r}? ({embedded}; a hub id is "
                                 "owner/name)")

@@ -39,7 +39,8 @@ def generation_config_for(base_model: PreTrainedModel, generation_config: Genera
         if key in _SUPPORTED or key in _IGNORED or key not in default:
             continue
         if value != default[key] and not (_unset(value) and _unset(default[key])):
-            raise ValueError(f"generate() does not support {key}={value!r} (medusa-heads supports: {', '.join(sorted(_SUPPORTED))})")
+            raise ValueError(f"generate() does not support {key}={value!r} "
+                             f"(medusa-heads supports: {', '.join(sorted(_SUPPORTED))})")
     return gc
 
 
@@ -80,7 +81,8 @@ def check_prompt(input_ids, attention_mask: torch.Tensor | None, gc: GenerationC
                  streamer) -> tuple[torch.Tensor | None, bool]:
     """(the attention mask, inferred as transformers does where none is given; whether this is a batch)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a (batch, length) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+        raise ValueError("input_ids must be a (batch, length) tensor, "
+                         f"got {getattr(input_ids, 'shape', type(input_ids))}")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
     if attention_mask is None:  # padding is wherever pad_token_id sits, if it is not EOS

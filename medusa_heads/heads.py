@@ -9,7 +9,8 @@ from medusa_heads.config import MedusaConfig
 
 
 class ResBlock(nn.Module):
-    """x + SiLU(W x + b), with W and b zero-initialised: a new head is the identity, so it starts as the base LM head."""
+    """x + SiLU(W x + b), with W and b zero-initialised: a new head is the identity, so it starts as the base LM
+    head."""
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
@@ -51,7 +52,8 @@ class MedusaHeads(nn.Module):
     embeddings (`embed_weight`, referenced like the LM head): head k adds P_kj E[context_j] to h_t for each of its
     slots j (root first, then the tokens drafted above the node), with P_kj zero-initialised."""
 
-    def __init__(self, config: MedusaConfig, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None) -> None:
+    def __init__(self, config: MedusaConfig, lm_head_weight: torch.Tensor,
+                 embed_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         if lm_head_weight.shape != (config.vocab_size, config.hidden_size):
             raise ValueError(
@@ -69,7 +71,8 @@ class MedusaHeads(nn.Module):
             if embed_weight.shape[1] != h:
                 raise ValueError(f"input embeddings have shape {tuple(embed_weight.shape)}, heads expect width {h}")
             self.token_proj = nn.ModuleList(
-                nn.ModuleList(nn.Linear(h, h, bias=False) for _ in range(config.context_slots(k))) for k in range(config.num_heads)
+                nn.ModuleList(nn.Linear(h, h, bias=False) for _ in range(config.context_slots(k)))
+                for k in range(config.num_heads)
             )
             for proj in self.token_proj.modules():
                 if isinstance(proj, nn.Linear):
@@ -89,7 +92,8 @@ class MedusaHeads(nn.Module):
         else:
             self.lm_heads = None
             self.register_buffer("shared_weight", rows, persistent=False)  # (V', H), frozen
-        self.pack = None  # weight -> fn(x, weight) = x @ weight.T on other kernels (prepack_heads: oneDNN); see use_kernels
+        # weight -> fn(x, weight) = x @ weight.T on other kernels (prepack_heads: oneDNN); see use_kernels
+        self.pack = None
         self._scorer = None  # self.pack(shared_weight)
         self._joint: dict[int, tuple] = {}  # head -> (its weights' identity, joint weight, packed); see _joint_proj
 

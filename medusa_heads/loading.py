@@ -26,8 +26,9 @@ def source(name: str | os.PathLike) -> str | Path:
 def load_base(name: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
               prepack: bool | None = None, frozen: bool = True, **kwargs) -> PreTrainedModel:
     """A causal LM by name (the embedded default's, a local directory or a hub id), in eval mode, frozen unless
-    `frozen=False` (joint training adapts it). prepack: run its linears through oneDNN (medusa_heads/kernels/prepack.py);
-    None = on when it lands on a CPU that packs its dtype (`packs`). kwargs go to AutoModelForCausalLM.from_pretrained."""
+    `frozen=False` (joint training adapts it). prepack: run its linears through oneDNN
+    (medusa_heads/kernels/prepack.py); None = on when it lands on a CPU that packs its dtype (`packs`). kwargs go to
+    AutoModelForCausalLM.from_pretrained."""
     where = source(name)
     if is_gguf(name):  # dequantised by transformers' GGUF loader
         where, kwargs = Path(name).parent, {**kwargs, "gguf_file": Path(name).name}

@@ -51,7 +51,8 @@ class LocalServer:
         while True:
             if self.proc.poll() is not None:
                 self.stop()
-                raise self.error(f"{self.name} exited ({self.proc.returncode}) before it was ready; its log: {self.log}")
+                raise self.error(f"{self.name} exited ({self.proc.returncode}) before it was ready; "
+                                 f"its log: {self.log}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:

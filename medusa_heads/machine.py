@@ -58,7 +58,8 @@ def kernels_key(model: torch.nn.Module, prepacked: bool) -> str:
     param = next(model.parameters())
     kind = "stock"
     if prepacked:  # a model packs all its linears alike
-        kind = next((m.cost_kind for m in model.modules() if getattr(m, "cost_kind", None) and getattr(m, "enabled", True)), "prepacked")
+        kind = next((m.cost_kind for m in model.modules()
+                     if getattr(m, "cost_kind", None) and getattr(m, "enabled", True)), "prepacked")
     return f"{kind}-{str(param.dtype).removeprefix('torch.')}-{param.device.type}"
 
 

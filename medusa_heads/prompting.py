@@ -45,12 +45,14 @@ def conversation_ids(tokenizer, messages: list[dict], max_length: int) -> tuple[
                                    add_special_tokens=i == 0)["input_ids"])
             if msg["role"] == "assistant":
                 piece = piece + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-                piece += _ids(tokenizer(TURN_SEPARATOR, add_special_tokens=False)["input_ids"]) if i + 1 < len(messages) else []
+                piece += (_ids(tokenizer(TURN_SEPARATOR, add_special_tokens=False)["input_ids"])
+                          if i + 1 < len(messages) else [])
             ids += piece
             mask += [msg["role"] == "assistant"] * len(piece)
         return torch.tensor(ids[:max_length]), torch.tensor(mask[:max_length])
     for i, msg in enumerate(messages):
-        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=msg["role"] == "assistant") if i else []
+        prefix = (tokenizer.apply_chat_template(messages[:i], tokenize=True,
+                                                add_generation_prompt=msg["role"] == "assistant") if i else [])
         full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True)
         prefix, full = _ids(prefix), _ids(full)
         if full[: len(ids)] != ids:

@@ -41,7 +41,8 @@ def write_shard(path: Path, segments: list[Segment]) -> None:
     tokens = torch.cat([s.tokens for s in segments]).to(torch.int32)
     offsets = torch.tensor([0] + [len(s.tokens) for s in segments]).cumsum(0)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"hidden": hidden, "tokens": tokens, "offsets": offsets}, tmp, metadata={"ids": json.dumps([s.id for s in segments])})
+    save_file({"hidden": hidden, "tokens": tokens, "offsets": offsets}, tmp,
+              metadata={"ids": json.dumps([s.id for s in segments])})
     follow_umask(tmp)  # save_file writes 0600
     os.replace(tmp, path)
 

@@ -47,7 +47,8 @@ def distill(
     answers reused, skipped (prompt too long)."""
     vocab = model.get_output_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}: they do not belong together")
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}: "
+                         "they do not belong together")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_conversations(out, repair=True)}
@@ -55,7 +56,8 @@ def distill(
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    sample = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0
+              else dict(do_sample=False))
     counts = {"done_before": len(done), "written": 0, "reused": 0, "skipped_too_long": 0}
     bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress)
     special = not has_chat_template(tokenizer)  # a template writes its own BOS; plain text needs the tokenizer's

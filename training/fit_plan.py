@@ -23,7 +23,8 @@ PHASES = ("distill", "train", "calibrate", "bench")
 # from what is left then, so it takes up what distill's estimate missed; each phase also has a deadline.
 DISTILL_SHARE = 0.58  # distill : train = 0.45 : 0.33, the split of the 1-hour run (results/fit/1h)
 CALIBRATE_TOKENS = 1800  # calibrate took 96-98 s on SmolLM2 at 1 thread, ~1,800 × its 54 ms a token (results/fit)
-BENCH_FACTOR = 2.4  # a bench prompt: generate + prompt lookup + ours = (1 + 1 / 1.6 + 1 / speed-up) × its tokens × per_token
+# a bench prompt: generate + prompt lookup + ours = (1 + 1 / 1.6 + 1 / speed-up) × its tokens × per_token
+BENCH_FACTOR = 2.4
 BENCH_SHARE = 0.10  # the bench's prompts: as many as 10% of the budget buys, at least 2, at most the file's
 SAMPLED_SHARE = 0.44  # of the answers sampled at T 0.7: the shipped heads' mix (stage 4: 5,284 of 11,927 answers)
 SAMPLED_VARIANT = "t07"
@@ -188,7 +189,8 @@ def make_plan(base, tok, clock: Clock, bench_prompts: str) -> dict:
         times = []
         for _ in range(3):  # the fastest of three: the first warms up
             s = clock.now()
-            base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+            base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                          do_sample=False)
             times.append(clock.now() - s)
     per_token = per_unit(min(times), 16)
     per_prompt = BENCH_FACTOR * BENCH_TOKENS * per_token

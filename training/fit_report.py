@@ -50,7 +50,8 @@ def write_report(state: dict, out: Path) -> dict:
           f"| answers | {report['answers']['greedy']} greedy + {report['answers']['sampled']} sampled (T 0.7) |",
           f"| answers from | {origin} |",
           f"| answer tokens | {report['train_tokens']:,} training, {report['eval_tokens']:,} held out |",
-          f"| heads | {r['num_heads']} × {r['condition']}-conditioned, mlp {r['mlp_size']}, draft vocabulary {r['draft_vocab_size']} |",
+          f"| heads | {r['num_heads']} × {r['condition']}-conditioned, mlp {r['mlp_size']}, "
+          f"draft vocabulary {r['draft_vocab_size']} |",
           f"| training steps | {report['steps']} |",
           f"| held-out top-1, heads 1–{r['num_heads']} | {' / '.join(f'{t:.3f}' for t in report['held_out_top1'])} |",
           f"| bench | {b['prompts']} prompts of {b['file']}, {BENCH_TOKENS} new tokens, greedy |",

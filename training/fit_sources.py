@@ -63,7 +63,8 @@ def prompt_pool(state, tok, prompts, bench_files) -> tuple[list[str], bool, list
     chat = prompts is None and has_chat_template(tok)
     if chat and str(state["model"]) == DEFAULT_MODEL:
         files = files + ["data/self_prompts.jsonl.gz"]  # written by this model already (scripts/make_self_prompts.py)
-    bench = bench_files if bench_files is not None else sorted(str(p) for p in Path("data").glob("bench_prompts*.jsonl"))
+    bench = (bench_files if bench_files is not None
+             else sorted(str(p) for p in Path("data").glob("bench_prompts*.jsonl")))
     pool = [r for r in subsample(training_prompts(files, bench, state["seed"]), SOURCE_CAPS, state["seed"])
             if sum(map(len, r.turns)) <= state["rules"]["max_prompt_chars"]]
     return files, chat, bench, pool

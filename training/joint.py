@@ -133,7 +133,6 @@ def _seqs(recipe: TrainRecipe, tokenizer, convs: list[dict]) -> tuple[list[Seq],
 def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume: bool) -> Job:
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import get_cosine_schedule_with_warmup
-
     if accelerator.num_processes > 1:
         raise NotImplementedError("joint (LoRA) training runs in one process; Medusa-1 training runs distributed")
     base, tokenizer = load_base(recipe.model, prepack=False, frozen=False), load_tokenizer(recipe.model)
@@ -147,10 +146,11 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
     vocab = config.draft_vocab or list(range(config.vocab_size))
     index = draft_index(vocab, config.vocab_size)
     model = get_peft_model(base, LoraConfig(r=recipe.lora_rank, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
-                                            target_modules=[t.strip() for t in recipe.lora_targets.split(",") if t.strip()]))
+                                            target_modules=[t.strip() for t in recipe.lora_targets.split(",")
+                                                            if t.strip()]))
     optimizer = torch.optim.AdamW([{"params": list(heads.parameters()), "lr": recipe.lr},
-                                   {"params": [p for p in model.parameters() if p.requires_grad], "lr": recipe.lora_lr}],
-                                  weight_decay=recipe.weight_decay)
+                                   {"params": [p for p in model.parameters() if p.requires_grad],
+                                    "lr": recipe.lora_lr}], weight_decay=recipe.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, recipe.warmup_steps, recipe.max_steps)
     step = 0
     if resume:
@@ -166,7 +166,8 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
         segments = [seg for b, s in enumerate(batch) for seg in _segments(s, hidden[b], eos)]
         split = build_split(segments, recipe.num_heads, index, config.context_size)
         t = split.targets
-        head_loss, _ = medusa_loss(heads(split.hidden.float(), split.context.to(device)), t.masked_fill(t == OOV, IGNORE).to(device), recipe.decay)
+        head_loss, _ = medusa_loss(heads(split.hidden.float(), split.context.to(device)),
+                                   t.masked_fill(t == OOV, IGNORE).to(device), recipe.decay)
         ids = torch.stack([batch[b].ids[c + 1] for b, c in zip(rows.tolist(), cols.tolist())]).to(device)
         lm = F.cross_entropy(adapted, ids)
         kl = _kl(adapted, frozen)
@@ -184,13 +185,16 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
             "eval_conversations": len(eval_seqs), "draft_vocab": len(vocab), "joint": True}
     return Job(step, (heads, model), optimizer, scheduler, max(len(train_seqs) // recipe.batch_size, 1),
                lambda epoch, p: [train_seqs[i] for i in order(epoch)[p]], loss,
-               lambda: evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index, recipe, device, eos),
+               lambda: evaluate_joint(model, accelerator.unwrap_model(heads), eval_seqs or train_seqs[:8], index,
+                                      recipe, device, eos),
                save, info, {"adapter": ADAPTER_DIR}, eval_first=bool(recipe.init_heads),
-               finish=lambda out: accelerator.unwrap_model(model).save_pretrained(out / ADAPTER_DIR, safe_serialization=True))
+               finish=lambda out: accelerator.unwrap_model(model).save_pretrained(out / ADAPTER_DIR,
+                                                                                  safe_serialization=True))
 
 
 @torch.no_grad()
-def evaluate_joint(model, heads: MedusaHeads, seqs: list[Seq], index: torch.Tensor, recipe: TrainRecipe, device, eos: int | None) -> dict:
+def evaluate_joint(model, heads: MedusaHeads, seqs: list[Seq], index: torch.Tensor, recipe: TrainRecipe, device,
+                   eos: int | None) -> dict:
     """Held-out heads accuracy on the adapted model's hidden states, and its KL to the frozen target."""
     segments, kl_sum, n = [], 0.0, 0
     seqs = sorted(seqs, key=lambda s: s.ids.shape[0])  # batches of like length pad little
@@ -199,6 +203,7 @@ def evaluate_joint(model, heads: MedusaHeads, seqs: list[Seq], index: torch.Tens
         adapted, frozen, hidden, rows, _ = _forward(model, batch, device)
         kl_sum += float(_kl(adapted, frozen, "sum"))
         n += rows.shape[0]
-        segments += [Segment(g.id, g.hidden.cpu(), g.tokens) for b, s in enumerate(batch) for g in _segments(s, hidden[b], eos)]
+        segments += [Segment(g.id, g.hidden.cpu(), g.tokens)
+                     for b, s in enumerate(batch) for g in _segments(s, hidden[b], eos)]
     metrics = evaluate(heads, build_split(segments, recipe.num_heads, index, heads.config.context_size), recipe.decay)
     return {**metrics, "kl_to_frozen": kl_sum / max(n, 1)}

@@ -27,7 +27,8 @@ def medusa_loss(head_logits: torch.Tensor, labels: torch.Tensor, decay: float = 
         logits = head_logits[k].float()
         if shares is None:
             ce = F.cross_entropy(logits, labels[:, k], ignore_index=IGNORE)
-            term = ce if torch.isfinite(ce) else logits.new_zeros(())  # a batch with no target for this head adds nothing
+            # a batch with no target for this head adds nothing
+            term = ce if torch.isfinite(ce) else logits.new_zeros(())
         else:
             summed = F.cross_entropy(logits, labels[:, k], ignore_index=IGNORE, reduction="sum")
             term = summed / shares[0][k] if shares[0][k] > 0 else logits.new_zeros(())
@@ -56,7 +57,8 @@ class SoftTargets(NamedTuple):
 
 
 @torch.no_grad()
-def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, m: int, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, m: int,
+                 chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (N, H) LM-head inputs, weight (V', H) the LM head's draft-vocabulary rows -> the m most likely
     draft indices (N, m) int32 and their probabilities renormalised over those m (N, m) fp16."""
     idx, prob = [], []
@@ -69,7 +71,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, m: int, chunk: int 
 
 
 @torch.no_grad()
-def topk_hits(head_logits: torch.Tensor, targets: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_hits(head_logits: torch.Tensor, targets: torch.Tensor,
+              ks: tuple[int, ...] = (1, 5)) -> tuple[torch.Tensor, torch.Tensor]:
     """head_logits: (K, N, V'); targets: (N, K) draft indices, -1 for a real token outside the draft vocabulary
     (always a miss), IGNORE where there is no target. Returns (hits (K, len(ks)), counted (K,))."""
     valid = (targets != IGNORE).T  # (K, N)

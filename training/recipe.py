@@ -13,13 +13,15 @@ from medusa_heads.config import DEFAULT_TREE
 @dataclass
 class TrainRecipe:
     model: str = "smollm2-135m-instruct"  # base model: the default's name, a local HF directory or a hub id
-    data: str = "data/distilled.jsonl"  # distilled conversations (JSONL from `medusa-heads distill`; several: comma-separated)
+    # distilled conversations (JSONL from `medusa-heads distill`; several: comma-separated)
+    data: str = "data/distilled.jsonl"
     features: str = "data/features"  # hidden-state shards (`distill --features`); train computes those missing
     out: str = "runs/heads"  # heads directory to write (loadable with MedusaModel.from_pretrained(base, heads=out))
     num_heads: int = 4  # K
     num_layers: int = 1  # residual blocks per head
     mlp_size: int = 0  # 0: square residual blocks (Medusa); > 0: two-layer blocks H -> mlp_size -> H
-    condition: str = "none"  # what heads see besides h_t: "none" (Medusa), "root" (+ the root token), "path" (+ root and drafted path)
+    # what heads see besides h_t: "none" (Medusa), "root" (+ the root token), "path" (+ root and drafted path)
+    condition: str = "none"
     draft_vocab_size: int = 4096  # most frequent answer tokens the heads may propose; 0 = the whole vocabulary
     decay: float = 0.8  # loss weight of head k is decay ** (k - 1)
     soft_weight: float = 0.0  # share of the soft-target loss: each head also learns the target's own distribution
@@ -60,7 +62,8 @@ class TrainRecipe:
         if not 0 <= self.soft_weight <= 1:
             raise ValueError(f"soft_weight must be in [0, 1], got {self.soft_weight}")
         if self.soft_weight > 0 and self.lora_rank > 0:
-            raise ValueError("soft_weight applies to heads trained on cached features; joint (LoRA) training has no soft targets")
+            raise ValueError("soft_weight applies to heads trained on cached features; "
+                             "joint (LoRA) training has no soft targets")
         if self.soft_topk < 1:
             raise ValueError(f"soft_topk must be >= 1, got {self.soft_topk}")
         if self.lora_rank < 0:

@@ -57,7 +57,8 @@ class Server:
             self.model = models[0]["id"]
         return self.model
 
-    def complete(self, ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int) -> tuple[str, bool]:
+    def complete(self, ids: list[int], max_tokens: int, temperature: float, top_p: float,
+                 seed: int) -> tuple[str, bool]:
         """(the answer's text, whether it ended by itself rather than at max_tokens)."""
         body = {"model": self.served_model(), "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p, "seed": seed, "stream": False}

@@ -33,7 +33,8 @@ def user_turn_opening(tokenizer) -> str:
     if not has_chat_template(tokenizer):
         raise ValueError("the model's tokenizer has no chat template: a prompt written by the model needs the "
                          "template's opening of a user turn")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False, add_generation_prompt=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False,
+                                         add_generation_prompt=False)
     return text.split(MARKER, 1)[0]
 
 
@@ -73,7 +74,8 @@ def write_self_prompts(model, tokenizer, out: str | os.PathLike, count: int, *, 
         with torch.no_grad():
             seqs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
                                   top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=sorted(stop),
-                                  pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop))
+                                  pad_token_id=(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                                else min(stop)))
         new = []
         for seq in seqs[:, ids.shape[1] :].tolist():
             closed = next((i for i, t in enumerate(seq) if t in stop), None)

@@ -51,7 +51,8 @@ def coverage(split: Split) -> float:
 MIN_FEATURE_CONVERSATIONS = 32  # computed at the least when max_steps bounds what train computes (a minute or two)
 
 
-def features_to_compute(recipe: TrainRecipe, convs: list[dict], have: set[str], tokenizer, processes: int = 1) -> list[dict]:
+def features_to_compute(recipe: TrainRecipe, convs: list[dict], have: set[str], tokenizer,
+                        processes: int = 1) -> list[dict]:
     """The conversations without features that this run computes them for: all of them, unless max_steps reads
     far fewer answer tokens than they hold. Then, in a seeded order, as many as give max_steps * batch_size *
     grad_accum * processes training tokens (answer tokens as the tokenizer counts them), at least
@@ -83,7 +84,8 @@ def features_to_compute(recipe: TrainRecipe, convs: list[dict], have: set[str], 
         break
     if len(chosen) == len(missing):
         return missing
-    if not any(is_eval(i, recipe.eval_fraction) for i in have) and not any(is_eval(c["id"], recipe.eval_fraction) for c in chosen):
+    if (not any(is_eval(i, recipe.eval_fraction) for i in have)
+            and not any(is_eval(c["id"], recipe.eval_fraction) for c in chosen)):
         chosen += [next(c for c in order if is_eval(c["id"], recipe.eval_fraction))]  # the split is checked non-empty
     return chosen
 
@@ -97,10 +99,11 @@ def _segments(recipe: TrainRecipe, convs: list[dict], base, accelerator) -> tupl
     missing = sum(c["id"] not in have for c in convs)
     if todo:
         if len(todo) < missing:
-            accelerator.print(f"train: max_steps {recipe.max_steps} reads ~{recipe.max_steps * recipe.batch_size * recipe.grad_accum:,} "
-                              f"answer tokens: features are computed for {len(todo):,} of the {missing:,} conversations "
-                              f"that have none in {recipe.features} (the others are left out of this run; a larger "
-                              "max_steps computes more)")
+            accelerator.print(f"train: max_steps {recipe.max_steps} reads "
+                              f"~{recipe.max_steps * recipe.batch_size * recipe.grad_accum:,} answer tokens: features "
+                              f"are computed for {len(todo):,} of the {missing:,} conversations that have none in "
+                              f"{recipe.features} (the others are left out of this run; a larger max_steps computes "
+                              "more)")
         else:
             accelerator.print(f"train: computing features for {len(todo):,} conversations into {recipe.features} "
                               "before the first step (padded batches; each process a share)")
@@ -127,7 +130,8 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
     if not train_segs or len(train_segs) == len(segments):  # the conversations split, but one side's answers are empty
         side = "training" if not train_segs else "evaluation"
         raise ValueError(f"{recipe.data}: no answer in the {side} split has a token to learn (eval_fraction "
-                         f"{recipe.eval_fraction}); distill more prompts, or change eval_fraction (--set eval_fraction=...)")
+                         f"{recipe.eval_fraction}); distill more prompts, or change eval_fraction "
+                         "(--set eval_fraction=...)")
     torch.manual_seed(recipe.seed)
     heads = start_heads(recipe, base, train_segs)
     vocab = heads.config.draft_vocab or list(range(heads.config.vocab_size))
@@ -146,7 +150,8 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
 
     world, rank, n = accelerator.num_processes, accelerator.process_index, train_split.hidden.shape[0]
     per_step = recipe.batch_size * world
-    order = lru_cache(1)(lambda epoch: torch.randperm(n, generator=torch.Generator().manual_seed(recipe.seed * 100_003 + epoch)))
+    order = lru_cache(1)(lambda epoch: torch.randperm(
+        n, generator=torch.Generator().manual_seed(recipe.seed * 100_003 + epoch)))
 
     def batch(epoch: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(this process's share of micro-batch p, the whole micro-batch): split rows."""
@@ -166,7 +171,8 @@ def _job(recipe: TrainRecipe, convs: list[dict], accelerator, ckpt: Path, resume
                            shares)[0], {}
 
     def save(step: int) -> None:
-        save_checkpoint(ckpt, lambda folder: save_heads(folder, accelerator.unwrap_model(model)), optimizer, scheduler, step, recipe)
+        save_checkpoint(ckpt, lambda folder: save_heads(folder, accelerator.unwrap_model(model)), optimizer, scheduler,
+                        step, recipe)
 
     info = {"conversations": len(used), "train_tokens": int(n), "eval_tokens": int(eval_split.hidden.shape[0]),
             "draft_vocab": len(vocab), "coverage_train": coverage(train_split), "coverage_eval": coverage(eval_split)}

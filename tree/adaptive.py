@@ -24,7 +24,8 @@ class Acceptance:
     rates: tuple[tuple[float, ...], ...]  # rates[d - 1][b]: acceptance at depth d for head probability in bin b
 
     def __post_init__(self) -> None:
-        if len(self.edges) < 2 or list(self.edges) != sorted(self.edges) or self.edges[0] != 0.0 or self.edges[-1] != 1.0:
+        if (len(self.edges) < 2 or list(self.edges) != sorted(self.edges) or self.edges[0] != 0.0
+                or self.edges[-1] != 1.0):
             raise ValueError(f"acceptance bin edges must rise from 0 to 1, got {self.edges}")
         if not self.rates or any(len(r) != len(self.edges) - 1 for r in self.rates):
             raise ValueError(f"acceptance rates need one row per depth and {len(self.edges) - 1} bins each")
@@ -102,7 +103,8 @@ class PhraseAcceptance:
 
     def __post_init__(self) -> None:
         if not self.orders or len(self.tables) != len(self.orders) or list(self.orders) != sorted(set(self.orders)):
-            raise ValueError(f"phrasebook acceptance needs increasing n-gram lengths, one table each, got {self.orders}")
+            raise ValueError("phrasebook acceptance needs increasing n-gram lengths, one table each, "
+                             f"got {self.orders}")
         if len({t.depth for t in self.tables}) != 1:
             raise ValueError("phrasebook acceptance tables must measure the same depths")
 
@@ -153,13 +155,13 @@ class CostModel:
     tokens for each of 4 rows cost 1.8x a plain step of the 4 (for one row: 0.96x). Without it, batches draft a
     fixed tree.
 
-    `greedy` holds the same for a greedy verify that skips the LM head through the screen (medusa_heads/kernels/screen.py:
-    only each node's argmax is needed, where the screen serves the model): one row's milliseconds by size, read by
-    `for_greedy`. calibrate times greedy and full verifies alternately and takes from `ms` what the greedy one
-    saves (a host's speed drifts between runs by more than the head costs). On MKL's fp32 kernels the head over a
-    few rows costs ~15 ms of a 60-150 ms verify, which the screen saves at about every size: a plain step gains
-    more, relatively, than a large tree; with prepacked linears the two differ by ~2 ms. None: greedy steps are
-    charged `ms`."""
+    `greedy` holds the same for a greedy verify that skips the LM head through the screen
+    (medusa_heads/kernels/screen.py: only each node's argmax is needed, where the screen serves the model): one row's
+    milliseconds by size, read by `for_greedy`. calibrate times greedy and full verifies alternately and takes from
+    `ms` what the greedy one saves (a host's speed drifts between runs by more than the head costs). On MKL's fp32
+    kernels the head over a few rows costs ~15 ms of a 60-150 ms verify, which the screen saves at about every size: a
+    plain step gains more, relatively, than a large tree; with prepacked linears the two differ by ~2 ms. None: greedy
+    steps are charged `ms`."""
 
     contexts: tuple[int, ...]  # cached tokens measured, increasing
     sizes: tuple[int, ...]  # tree tokens measured (root included), increasing, starting at 1
@@ -250,7 +252,8 @@ class CostModel:
         overhead and batches: a batch's greedy verify is charged the head it skips), else this model."""
         if self.greedy is None:
             return self
-        return dataclasses.replace(self.greedy, draft_ms=self.draft_ms, overhead_ms=self.overhead_ms, batches=self.batches)
+        return dataclasses.replace(self.greedy, draft_ms=self.draft_ms, overhead_ms=self.overhead_ms,
+                                   batches=self.batches)
 
     def with_greedy(self, greedy: "CostModel") -> "CostModel":
         """This model with the greedy verify's table (replacing any); its drafting and overhead are this model's."""

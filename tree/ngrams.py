@@ -137,7 +137,8 @@ class NgramStore:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> "NgramStore":
-        missing = {"keys", "tokens", "confidence"} - set(tensors) or {"vocab_size", "min_n", "max_n"} - set(metadata or {})
+        missing = ({"keys", "tokens", "confidence"} - set(tensors)
+                   or {"vocab_size", "min_n", "max_n"} - set(metadata or {}))
         if missing:
             raise ValueError(f"n-gram store lacks {sorted(missing)}")
         return cls(tensors["keys"].to(torch.int64), tensors["tokens"].to(torch.int64), tensors["confidence"].float(),

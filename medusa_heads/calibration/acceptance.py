@@ -76,7 +76,8 @@ def candidate_samples(heads, segments, topk: int = 8, chunk: int = 1024) -> list
     return [CandidateSamples(**{key: torch.cat(v) for key, v in d.items()}) for d in out]
 
 
-def bin_rates(probs: torch.Tensor, hits: torch.Tensor, edges: tuple[float, ...] = ACCEPT_EDGES) -> tuple[list[float], list[int]]:
+def bin_rates(probs: torch.Tensor, hits: torch.Tensor,
+              edges: tuple[float, ...] = ACCEPT_EDGES) -> tuple[list[float], list[int]]:
     """Observed acceptance and count in each bin of the probability (bins as Acceptance reads them)."""
     b = torch.bucketize(probs.flatten().double(), torch.tensor(edges[1:-1], dtype=torch.float64), right=True)
     count = torch.bincount(b, minlength=len(edges) - 1)

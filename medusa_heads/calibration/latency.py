@@ -34,12 +34,12 @@ def verify_latency(target, sizes: list[int], context: int = 300, repeats: int = 
 
 def greedy_savings(target, sizes: list[int], text: torch.Tensor, repeats: int = 3) -> dict[int, float]:
     """For each n: the median seconds of the full verify of a chain of n tokens less those of the greedy verify of it
-    (argmaxes through the screen, medusa_heads/kernels/screen.py), the two timed one after the other in one run, a root alone
-    (n = 1) as a per-step tree with no drafted node verifies it. text: (context + max(sizes),) the target's own text
-    (answer_text): the cached context, then the chain verified. The screen's work depends on how sure the target is
-    (random tokens leave it unsure: many candidates to rescore), so it runs on text the target wrote. Paired, since
-    a shared host's speed drifts by 10-20% between runs: a table timed apart from the full one would mostly
-    measure that."""
+    (argmaxes through the screen, medusa_heads/kernels/screen.py), the two timed one after the other in one run, a
+    root alone (n = 1) as a per-step tree with no drafted node verifies it. text: (context + max(sizes),) the target's
+    own text (answer_text): the cached context, then the chain verified. The screen's work depends on how sure the
+    target is (random tokens leave it unsure: many candidates to rescore), so it runs on text the target wrote.
+    Paired, since a shared host's speed drifts by 10-20% between runs: a table timed apart from the full one would
+    mostly measure that."""
     keys = [(n, mode) for n in sizes for mode in ("full", "greedy")]
     context = text.shape[0] - max(sizes)
     t = _chain_seconds(_CacheVerifier(target, context, sizes), keys, context, repeats, "full - greedy", text=text)
@@ -165,8 +165,9 @@ def ms_table(latency, contexts: tuple[int, ...], sizes: tuple[int, ...], desc: s
     return tuple(ms)
 
 
-def measure_batch_cost(target, cost: CostModel, rows: tuple[int, ...] = BATCH_ROWS, sizes: tuple[int, ...] = BATCH_SIZES,
-                       contexts: tuple[int, ...] = BATCH_CONTEXTS, repeats: int = 5) -> CostModel:
+def measure_batch_cost(target, cost: CostModel, rows: tuple[int, ...] = BATCH_ROWS,
+                       sizes: tuple[int, ...] = BATCH_SIZES, contexts: tuple[int, ...] = BATCH_CONTEXTS,
+                       repeats: int = 5) -> CostModel:
     """`cost` (one row, these kernels) with a batch's verify measured for each of `rows` (batch_verify_latency);
     drafting and overhead as `cost` has them (a row drafts as it does alone)."""
     batches = {}
@@ -186,7 +187,8 @@ def measure_greedy_cost(target, cost: CostModel, answers: list[tuple[torch.Tenso
     per-size differences scatter by a few ms on a noisy host (and the selection reads each size as measured)."""
     ms = []
     for c, row in zip(tqdm(cost.contexts, desc="greedy contexts", leave=False), cost.ms):
-        saved = sorted(greedy_savings(target, list(cost.sizes), answer_text(answers, c, cost.max_size), repeats).values())
+        saved = sorted(greedy_savings(target, list(cost.sizes), answer_text(answers, c, cost.max_size),
+                                      repeats).values())
         cut = max(1000 * saved[len(saved) // 2], 0.0)  # never dearer: the same decoder, a cheaper head (noise aside)
         ms.append(tuple(round(max(t - cut, 0.5 * t), 2) for t in row))
     return cost.with_greedy(CostModel(cost.contexts, cost.sizes, tuple(ms), fit=cost.fit))
@@ -244,7 +246,8 @@ def engine_latency(engine, sizes: list[int], context: int, repeats: int, vocab: 
     verifier = _SessionVerifier(engine, context, sizes, vocab)
     try:
         keys = [(n, "full") for n in sizes]
-        return {n: t for (n, _), t in _chain_seconds(verifier, keys, context, repeats, f"latency, {context} cached").items()}
+        return {n: t for (n, _), t in
+                _chain_seconds(verifier, keys, context, repeats, f"latency, {context} cached").items()}
     finally:
         verifier.session.close()
 

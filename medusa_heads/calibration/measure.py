@@ -30,7 +30,8 @@ __all__ = [
     "verify_latency",
 ]
 
-PARTS = ("tree", "acceptance", "lookup", "cost", "batch", "greedy", "ngrams")  # what `medusa-heads calibrate --parts` measures
+# what `medusa-heads calibrate --parts` measures
+PARTS = ("tree", "acceptance", "lookup", "cost", "batch", "greedy", "ngrams")
 NGRAM_TOKENS = 8  # phrasebook continuation length measured (and drafted: its acceptance's depth)
 MIN_TRIALS = 100  # the fewest trials a matched length's rates are fitted on at a depth (else all lengths' rates)
 
@@ -73,7 +74,8 @@ def choose_tree(path_prob, latency: dict[int, float], t_heads, t_overhead: float
         tau = 1.0 + tree_value(spec, path_prob)
         draft = t_heads(spec) if callable(t_heads) else t_heads
         step = latency[n + 1] + draft + t_overhead
-        table.append({"nodes": n, "tau": tau, "step_s": step, "draft_s": draft, "tokens_per_s": tau / step, "paths": spec.to_list()})
+        table.append({"nodes": n, "tau": tau, "step_s": step, "draft_s": draft, "tokens_per_s": tau / step,
+                      "paths": spec.to_list()})
     tau = torch.tensor([r["tau"] for r in table])
     best = table[best_size(tau, torch.tensor([1000.0 * r["step_s"] for r in table]))]  # a fixed tree drafts >= 1 node
     plain = 1.0 / latency[1]
@@ -92,7 +94,8 @@ def answer_spans(ids: torch.Tensor, mask: torch.Tensor, eos: int | None) -> list
     return spans
 
 
-def tokenized_answers(tokenizer, conversations: list[dict], max_length: int = 1 << 16) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
+def tokenized_answers(tokenizer, conversations: list[dict],
+                      max_length: int = 1 << 16) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
     """Chat-template token ids of each conversation and its answers' spans; an answer that was cut off (not
     "finished") loses the end-of-turn token the template adds, which the model never wrote."""
     out = []
@@ -106,7 +109,8 @@ def tokenized_answers(tokenizer, conversations: list[dict], max_length: int = 1 
 
 
 def lookup_acceptance(conversations: list[tuple[torch.Tensor, list[tuple[int, int]]]], lookup_tokens: int = 10,
-                      max_ngram: int = MAX_NGRAM, min_ngram: int = 1, every_position: bool = False) -> tuple[LookupAcceptance, dict]:
+                      max_ngram: int = MAX_NGRAM, min_ngram: int = 1,
+                      every_position: bool = False) -> tuple[LookupAcceptance, dict]:
     """conversations: (token ids (L,), answer spans). Walks each answer as decoding with prompt lookup alone would:
     at a root, lookup over the tokens up to it (inference.propose.lookup_match); the j-th continuation token is
     accepted if it and the ones before it equal the answer's next tokens; the next root follows the accepted ones
@@ -176,7 +180,8 @@ def _fit_depths(trials: list[list[tuple[int, float, bool]]], edges: tuple[float,
     rates = []
     for j, t in enumerate(trials):
         if len(t) >= MIN_TRIALS or (fallback is None and t):
-            rates.append(tuple(fit_isotonic(torch.tensor([c for _, c, _ in t]), torch.tensor([a for _, _, a in t]), edges)))
+            rates.append(tuple(fit_isotonic(torch.tensor([c for _, c, _ in t]), torch.tensor([a for _, _, a in t]),
+                                            edges)))
         else:
             rates.append(fallback.rates[j] if fallback is not None else rates[-1])
     return Acceptance(tuple(edges), tuple(rates))
@@ -184,7 +189,8 @@ def _fit_depths(trials: list[list[tuple[int, float, bool]]], edges: tuple[float,
 
 def ngram_acceptance(store: NgramStore, answers: list[tuple[torch.Tensor, list[tuple[int, int]]]],
                      test: list[tuple[torch.Tensor, list[tuple[int, int]]]] | None = None,
-                     tokens: int = NGRAM_TOKENS, edges: tuple[float, ...] = ACCEPT_EDGES) -> tuple[PhraseAcceptance, dict]:
+                     tokens: int = NGRAM_TOKENS,
+                     edges: tuple[float, ...] = ACCEPT_EDGES) -> tuple[PhraseAcceptance, dict]:
     """The store's acceptance per matched n-gram length and depth j (given j - 1 accepted), isotonic over its
     confidence bins, fitted on the chains of `answers` (ngram_trials); a length with too few trials at a depth reads
     all lengths' rates there. The report gives, per depth, what was tried and accepted, and predicted against
@@ -197,10 +203,12 @@ def ngram_acceptance(store: NgramStore, answers: list[tuple[torch.Tensor, list[t
     tables = tuple(_fit_depths([[x for x in t if x[0] == n] for t in trials], edges, pooled) for n in orders)
     acceptance = PhraseAcceptance(orders, tables)
     t_trials, t_roots = ngram_trials(store, test, tokens) if test else (trials, roots)
-    predicted = [sum(acceptance.rate(j + 1, n, c) for n, c, _ in t) / len(t) if t else 0.0 for j, t in enumerate(t_trials)]
+    predicted = [sum(acceptance.rate(j + 1, n, c) for n, c, _ in t) / len(t) if t else 0.0
+                 for j, t in enumerate(t_trials)]
     report = {"roots": roots, "entries": len(store), "min_n": store.min_n, "max_n": store.max_n,
               "tried": [len(t) for t in trials], "accepted": [sum(a for _, _, a in t) for t in trials],
-              "first_by_order": {n: [sum(1 for m, _, _ in trials[0] if m == n), sum(a for m, _, a in trials[0] if m == n)]
+              "first_by_order": {n: [sum(1 for m, _, _ in trials[0] if m == n),
+                                     sum(a for m, _, a in trials[0] if m == n)]
                                  for n in orders},
               "test": {"answers": "other held-out answers" if test else "the same answers", "roots": t_roots,
                        "tried": [len(t) for t in t_trials],

@@ -31,10 +31,10 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
     `conversations` and this machine, and write into heads_dir's config: the fixed tree that maximises predicted
     tokens/s ("tree"), and what the per-step tree runs on (config.adaptive): calibrated acceptance ("acceptance"),
     prompt lookup's acceptance ("lookup"), verify and drafting time for these kernels ("cost"), the verify of a
-    batch of rows for them ("batch": added to the kernels' cost model, which "cost" measures now or did before), a greedy
-    verify's cost where it skips the LM head ("greedy", likewise added; medusa_heads/kernels/screen.py); and the target's
-    phrasebook ("ngrams", tree/ngrams.py) from phrase_data = (conversations it learns, held-out ones): a store of
-    the first, written beside the heads (ngrams.safetensors), its acceptance measured on the second.
+    batch of rows for them ("batch": added to the kernels' cost model, which "cost" measures now or did before), a
+    greedy verify's cost where it skips the LM head ("greedy", likewise added; medusa_heads/kernels/screen.py); and the
+    target's phrasebook ("ngrams", tree/ngrams.py) from phrase_data = (conversations it learns, held-out ones): a store
+    of the first, written beside the heads (ngrams.safetensors), its acceptance measured on the second.
 
     Timings ("tree", "cost", "batch", "greedy") taken while other work loaded the machine (the load average above
     its cores) or that are implausible (a verify of 2-4 tokens costing over 3x a plain step) are not stored, since
@@ -111,9 +111,10 @@ def _tree(run: _Run) -> None:
     model, s = run.model, run.settings
     ranks = measure.correct_ranks(model.heads, run.held_out, topk=s.topk)
     load = os.getloadavg()[0]
-    latency = measure.verify_latency(model.target, list(range(1, s.max_nodes + 2)), context=s.context, repeats=s.repeats)
-    problem = run.problems["tree"] = calibration.timing_problem(load, os.getloadavg()[0], torch.get_num_threads(),
-                                                                [(s.context, {n: 1000 * t for n, t in latency.items()})])
+    latency = measure.verify_latency(model.target, list(range(1, s.max_nodes + 2)), context=s.context,
+                                     repeats=s.repeats)
+    problem = run.problems["tree"] = calibration.timing_problem(
+        load, os.getloadavg()[0], torch.get_num_threads(), [(s.context, {n: 1000 * t for n, t in latency.items()})])
     result = measure.choose_tree(rank_paths(ranks), latency, lambda spec: measure.draft_latency(model.heads, spec),
                                  s.overhead_ms / 1000, s.max_nodes)
     best = result["best"]
@@ -229,12 +230,15 @@ def _store(run: _Run, timed_cost: bool) -> None:
         return
     config = run.model.config
     timed_here = machine_record(run.model.engine.device) if timed_cost else None
-    config.adaptive = measure.merge_adaptive(config.adaptive, run.acceptance, run.lookup, run.cost, run.phrases, timed_here)
+    config.adaptive = measure.merge_adaptive(config.adaptive, run.acceptance, run.lookup, run.cost, run.phrases,
+                                             timed_here)
     old = config.extra.get("adaptive_calibration", {})
-    config.extra["adaptive_calibration"] = {**old, **{k: report.brief(k, v) for k, v in run.details.items() if k != "cost"}}
+    config.extra["adaptive_calibration"] = {
+        **old, **{k: report.brief(k, v) for k, v in run.details.items() if k != "cost"}}
     if "cost" in run.details and run.cost is not None:
         config.extra["adaptive_calibration"]["cost"] = {
-            k: {**old.get("cost", {}).get(k, {}), **v} for k, v in {**old.get("cost", {}), **run.details["cost"]}.items()}
+            k: {**old.get("cost", {}).get(k, {}), **v}
+            for k, v in {**old.get("cost", {}), **run.details["cost"]}.items()}
 
 
 def _untrusted(parts: list[str], refused: dict[str, str]) -> UntrustedTimings:

@@ -46,18 +46,19 @@ def _acceptance_md(a: dict) -> list[str]:
     lines = [
         "## Acceptance of a drafted token given its parent was accepted",
         "",
-        f"Each head's top-{a['depths'][0]['topk']} candidates (softmax over the draft vocabulary; path-conditioned heads "
-        "given the true path above) at every held-out answer position where the true tokens above are each in their "
-        "head's top-k (so the parent is in the tree and accepted), labelled by the true token. Fitted on one half of "
-        "the held-out conversations (split by prompt), scored on the other; the stored bins are refitted on both.",
+        f"Each head's top-{a['depths'][0]['topk']} candidates (softmax over the draft vocabulary; path-conditioned "
+        "heads given the true path above) at every held-out answer position where the true tokens above are each in "
+        "their head's top-k (so the parent is in the tree and accepted), labelled by the true token. Fitted on one "
+        "half of the held-out conversations (split by prompt), scored on the other; the stored bins are refitted on "
+        "both.",
         "",
         f"Stored: **{a['method']}** (temperature's log-loss {_relative(s)} isotonic's; isotonic is kept unless the "
         f"temperature is better by more than 1%). Log-loss on the test half: raw {s['raw']['log_loss']:.4f}, isotonic "
         f"{s['isotonic']['log_loss']:.4f}, temperature {s['temperature']['log_loss']:.4f}; Brier: raw "
         f"{s['raw']['brier']:.4f}, isotonic {s['isotonic']['brier']:.4f}, temperature {s['temperature']['brier']:.4f}.",
         "",
-        "| depth | test positions | candidates | observed | raw mean | isotonic mean | temperature mean (T) | observed top-1 | "
-        "isotonic top-1 | log-loss raw / iso / temp | Brier raw / iso / temp |",
+        "| depth | test positions | candidates | observed | raw mean | isotonic mean | temperature mean (T) | "
+        "observed top-1 | isotonic top-1 | log-loss raw / iso / temp | Brier raw / iso / temp |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in a["depths"]:
@@ -104,7 +105,8 @@ def _lookup_md(d: dict, lookup: LookupAcceptance) -> list[str]:
 
 def _lookup_rows(d: dict, ngrams, rates) -> list[str]:
     n_max = d["max_tokens"]
-    lines = ["| n-gram | matched | " + " | ".join(f"j={j + 1}" for j in range(n_max)) + " |", "|---|---|" + "---|" * n_max]
+    lines = ["| n-gram | matched | " + " | ".join(f"j={j + 1}" for j in range(n_max)) + " |",
+             "|---|---|" + "---|" * n_max]
     for i, (n, row) in enumerate(zip(ngrams, rates)):
         cells = [f"{x:.3f} ({t:,})" for x, t in zip(row, d["tried"][i])]
         lines.append(f"| {n} | {d['matched'][i]:,} ({d['matched'][i] / d['roots']:.1%}) | " + " | ".join(cells) + " |")
@@ -126,7 +128,8 @@ def _cost_md(key: str, cost: CostModel, settings: dict) -> list[str]:
     ]
     fitted = [cost.verify_ms(c) for c in cost.contexts]
     for s, size in enumerate(cost.sizes):
-        lines.append(f"| {size} | " + " | ".join(f"{row[s]:.1f} ({fit[size - 1]:.1f})" for row, fit in zip(cost.ms, fitted)) + " |")
+        lines.append(f"| {size} | "
+                     + " | ".join(f"{row[s]:.1f} ({fit[size - 1]:.1f})" for row, fit in zip(cost.ms, fitted)) + " |")
     return lines + [""]
 
 
@@ -136,13 +139,14 @@ def _greedy_md(key: str, cost: CostModel) -> list[str]:
         return []
     g = cost.for_greedy()
     lines = [f"## Cost of a greedy verify: {key}", "",
-             "Verify milliseconds (median) when only each node's argmax is needed (medusa_heads/kernels/screen.py: no fp32 LM "
-             "head), then (in brackets) the full verify's from the table above, both as the tree selection charges "
-             "them; greedy calls are sized by the first.", "",
+             "Verify milliseconds (median) when only each node's argmax is needed (medusa_heads/kernels/screen.py: "
+             "no fp32 LM head), then (in brackets) the full verify's from the table above, both as the tree "
+             "selection charges them; greedy calls are sized by the first.", "",
              "| tree tokens | " + " | ".join(f"ctx {c}" for c in g.contexts) + " |", "|---|" + "---|" * len(g.contexts)]
     greedy, full = [g.verify_ms(c) for c in g.contexts], [cost.verify_ms(c) for c in g.contexts]
     for size in g.sizes:
-        lines.append(f"| {size} | " + " | ".join(f"{a[size - 1]:.1f} ({b[size - 1]:.1f})" for a, b in zip(greedy, full)) + " |")
+        lines.append(f"| {size} | "
+                     + " | ".join(f"{a[size - 1]:.1f} ({b[size - 1]:.1f})" for a, b in zip(greedy, full)) + " |")
     return lines + [""]
 
 
@@ -221,17 +225,19 @@ def tree_table(result: dict, latency: dict[int, float], positions: int) -> str:
         if row["nodes"] in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) or row is best:
             lines.append(f"{row['nodes']:>6}{row['tau']:>7.2f}{1000 * latency[row['nodes'] + 1]:>11.1f}"
                          f"{row['tokens_per_s']:>12.1f}{row['speedup']:>15.2f}")
-    lines.append(f"chosen: {best['nodes']} nodes, predicted tau {best['tau']:.2f}, predicted speed-up {best['speedup']:.2f}")
+    lines.append(f"chosen: {best['nodes']} nodes, predicted tau {best['tau']:.2f}, "
+                 f"predicted speed-up {best['speedup']:.2f}")
     return "\n".join(lines)
 
 
 def brief(part: str, detail: dict) -> dict:
     """What the heads' config keeps of a part's measurement (the report keeps all of it)."""
     if part == "acceptance":
-        return {"method": detail["method"], "summary": detail["summary"], "held_out_positions": detail["held_out_positions"],
-                "temperatures": [r["T"] for r in detail["depths"]]}
+        return {"method": detail["method"], "summary": detail["summary"],
+                "held_out_positions": detail["held_out_positions"], "temperatures": [r["T"] for r in detail["depths"]]}
     if part == "ngrams":
-        return {k: detail[k] for k in ("roots", "entries", "min_n", "max_n", "tried", "accepted", "first_by_order", "test")}
+        return {k: detail[k]
+                for k in ("roots", "entries", "min_n", "max_n", "tried", "accepted", "first_by_order", "test")}
     return {k: detail[k] for k in ("roots", "matched", "max_tokens", "max_ngram", "min_ngram", "walk")}
 
 
@@ -241,9 +247,10 @@ def acceptance_table(detail: dict) -> str:
              f"{'depth':>6}{'cands':>9}{'observed':>10}{'raw':>8}{'isotonic':>10}{'temp.':>8}{'T':>6}"
              f"{'logloss raw':>13}{'iso':>8}{'temp.':>8}"]
     for r in detail["depths"]:
-        lines.append(f"{r['depth']:>6}{r['test_positions'] * r['topk']:>9}{r['observed']:>10.3f}{r['raw']['mean']:>8.3f}"
-                     f"{r['isotonic']['mean']:>10.3f}{r['temperature']['mean']:>8.3f}{r['T']:>6.2f}"
-                     f"{r['raw']['log_loss']:>13.4f}{r['isotonic']['log_loss']:>8.4f}{r['temperature']['log_loss']:>8.4f}")
+        lines.append(f"{r['depth']:>6}{r['test_positions'] * r['topk']:>9}{r['observed']:>10.3f}"
+                     f"{r['raw']['mean']:>8.3f}{r['isotonic']['mean']:>10.3f}{r['temperature']['mean']:>8.3f}"
+                     f"{r['T']:>6.2f}{r['raw']['log_loss']:>13.4f}{r['isotonic']['log_loss']:>8.4f}"
+                     f"{r['temperature']['log_loss']:>8.4f}")
     s = detail["summary"]
     lines.append(f"{'all':>6}{'':>63}{s['raw']['log_loss']:>13.4f}{s['isotonic']['log_loss']:>8.4f}{s['temperature']['log_loss']:>8.4f}")
     return "\n".join(lines)

@@ -27,7 +27,8 @@ def base_fingerprint(base: PreTrainedModel) -> dict:
     """What heads must match: architecture, sizes, and a hash of the LM head (taken in bf16, so an fp32
     and a bf16 load of the same weights agree)."""
     weight = base.get_output_embeddings().weight.detach()
-    digest = hashlib.sha256(weight.to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    digest = hashlib.sha256(
+        weight.to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
     return {
         "architecture": type(base).__name__,
         "hidden_size": weight.shape[1],
@@ -53,7 +54,8 @@ def check_fingerprint(config: MedusaConfig, base: PreTrainedModel, allow_mismatc
         want = config.base_fingerprint.get(key)
         if want != have[key]:
             raise ValueError(
-                f"these heads were trained for another base model ({key}: heads {_shown(want)}, base {_shown(have[key])}); "
+                f"these heads were trained for another base model ({key}: heads {_shown(want)}, "
+                f"base {_shown(have[key])}); "
                 "pass allow_base_mismatch=True (--allow-base-mismatch) to use them anyway"
             )
 
@@ -172,7 +174,8 @@ def _count(names, prefix: str, level: int = 0) -> int:
     seen = set()
     for name in names:
         parts = name.split(".")
-        if name.startswith(prefix) and len(parts) > 1 + level and parts[1 + level].isdigit() and (level == 0 or parts[1] == "0"):
+        if (name.startswith(prefix) and len(parts) > 1 + level and parts[1 + level].isdigit()
+                and (level == 0 or parts[1] == "0")):
             seen.add(int(parts[1 + level]))
     return max(seen) + 1 if seen else 0
 
@@ -216,7 +219,8 @@ def check_heads_files(directory: str | os.PathLike) -> None:
         return
     fix = "the config was edited, or the two files come from different runs"
     for prefix in ("blocks.", "lm_heads.", "token_proj."):
-        if any(k.startswith(prefix) for k in want) and _count(held, prefix) != _count(want, prefix) and _count(held, prefix):
+        if (any(k.startswith(prefix) for k in want) and _count(held, prefix) != _count(want, prefix)
+                and _count(held, prefix)):
             n = _count(held, prefix)
             raise ValueError(f"{d}: {CONFIG_NAME} says {config.num_heads} heads (num_heads), {WEIGHTS_NAME} holds {n} "
                              f"({fix}); set num_heads to {n}, or copy both files again")
@@ -227,7 +231,8 @@ def check_heads_files(directory: str | os.PathLike) -> None:
     missing, unexpected = sorted(set(want) - set(held)), sorted(set(held) - set(want))
     if missing or unexpected:
         what = ", ".join(x for x in (f"{len(missing)} tensors missing (e.g. {missing[0]})" if missing else "",
-                                      f"{len(unexpected)} not in these heads (e.g. {unexpected[0]})" if unexpected else "") if x)
+                                      f"{len(unexpected)} not in these heads (e.g. {unexpected[0]})" if unexpected
+                                      else "") if x)
         raise ValueError(f"{d}: {WEIGHTS_NAME} does not hold the heads {CONFIG_NAME} describes: {what} ({fix}); "
                          "copy both files again from one run")
     key = next(k for k in want if held[k] != want[k])
@@ -263,7 +268,8 @@ def load_heads(directory: str | os.PathLike, lm_head_weight: torch.Tensor, confi
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
             raise ValueError(
-                f"{d / WEIGHTS_NAME}: {key} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[key].shape)}"
+                f"{d / WEIGHTS_NAME}: {key} has shape {tuple(tensor.shape)}, "
+                f"the config implies {tuple(expected[key].shape)}"
             )
     heads.load_state_dict(state, strict=True)
     return heads
@@ -302,7 +308,8 @@ def load_reference(directory: str | os.PathLike, lm_head_weight: torch.Tensor) -
         raise ValueError(f"{d / REFERENCE_WEIGHTS}: missing keys {missing}, unexpected keys {unexpected}")
     for key, shape in expected.items():
         if tuple(state[key].shape) != shape:
-            raise ValueError(f"{d / REFERENCE_WEIGHTS}: {key} has shape {tuple(state[key].shape)}, the base model implies {shape}")
+            raise ValueError(f"{d / REFERENCE_WEIGHTS}: {key} has shape {tuple(state[key].shape)}, "
+                             f"the base model implies {shape}")
     base_w = lm_head_weight.detach().to("cpu")
     shared = all(torch.equal(state[f"{k}.{layers}.weight"].to(base_w.dtype), base_w) for k in range(k_heads))
     config = MedusaConfig(num_heads=k_heads, num_layers=layers, hidden_size=h, vocab_size=v, own_lm_head=not shared,
@@ -319,16 +326,20 @@ def load_reference(directory: str | os.PathLike, lm_head_weight: torch.Tensor) -
     return heads
 
 
-def export_reference(heads: MedusaHeads, lm_head_weight: torch.Tensor, out: str | os.PathLike, base_name: str = "") -> Path:
+def export_reference(heads: MedusaHeads, lm_head_weight: torch.Tensor, out: str | os.PathLike,
+                     base_name: str = "") -> Path:
     """Write the reference layout. Every head gets a full-vocabulary LM head (the base's when shared), so a draft
     vocabulary is not kept; heads with their own LM head over a draft vocabulary cannot be exported."""
     cfg = heads.config
     if cfg.condition != "none":
-        raise ValueError(f'heads with condition="{cfg.condition}" read token embeddings, which the reference Medusa layout has no place for')
+        raise ValueError(f'heads with condition="{cfg.condition}" read token embeddings, which the reference Medusa '
+                         "layout has no place for")
     if cfg.mlp_size:
-        raise ValueError(f"heads with mlp_size={cfg.mlp_size} have two-layer blocks; the reference Medusa layout holds one square linear per block")
+        raise ValueError(f"heads with mlp_size={cfg.mlp_size} have two-layer blocks; the reference Medusa layout holds "
+                         "one square linear per block")
     if cfg.own_lm_head and cfg.draft_vocab is not None:
-        raise ValueError("heads with their own LM heads over a draft vocabulary have no full-vocabulary LM head to export")
+        raise ValueError("heads with their own LM heads over a draft vocabulary have no full-vocabulary LM head "
+                         "to export")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {}

@@ -31,14 +31,14 @@ def vllm_exportable(config: MedusaConfig) -> None:
     train = (f"export them with --format vllm for the project's vLLM plugin (vllm_plugin/), which serves any heads, or "
              f"train Medusa-1 heads (condition: none, mlp_size: 0; e.g. {SERVING_RECIPE})")
     if config.condition != "none":
-        raise ValueError(f'heads with condition="{config.condition}" read the tokens above each node, but vLLM\'s Medusa '
-                         f"reads the hidden state only; {train}")
+        raise ValueError(f'heads with condition="{config.condition}" read the tokens above each node, '
+                         f"but vLLM's Medusa reads the hidden state only; {train}")
     if config.mlp_size:
-        raise ValueError(f"heads with mlp_size={config.mlp_size} have H -> {config.mlp_size} -> H blocks, but vLLM's Medusa "
-                         f"runs square blocks x + SiLU(W x + b) only; {train}")
+        raise ValueError(f"heads with mlp_size={config.mlp_size} have H -> {config.mlp_size} -> H blocks, "
+                         f"but vLLM's Medusa runs square blocks x + SiLU(W x + b) only; {train}")
     if config.own_lm_head and config.draft_vocab is not None:
-        raise ValueError("heads with their own LM heads over a draft vocabulary: vLLM 0.32 truncates only a shared LM head "
-                         "(original_lm_head); train heads that share the base LM head (own_lm_head: false)")
+        raise ValueError("heads with their own LM heads over a draft vocabulary: vLLM 0.32 truncates only a shared "
+                         "LM head (original_lm_head); train heads that share the base LM head (own_lm_head: false)")
 
 
 def export_vllm(heads: MedusaHeads, lm_head_weight: torch.Tensor, out: str | os.PathLike, base_name: str = "") -> Path:
@@ -89,7 +89,8 @@ def check_vllm_export(directory: str | os.PathLike, lm_head_weight: torch.Tensor
     d = Path(directory)
     config = json.loads((d / CONFIG_NAME).read_text())
     state = load_file(d / VLLM_WEIGHTS)
-    k_heads, layers, h, v = (config[key] for key in ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"))
+    k_heads, layers, h, v = (config[key]
+                             for key in ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"))
     rows = config["truncated_vocab_size"]
     shared = config.get("original_lm_head", False)
     expected = {f"blocks.{k}.layers.{j}.weight": (h, h) for k in range(k_heads) for j in range(layers)}
@@ -103,10 +104,12 @@ def check_vllm_export(directory: str | os.PathLike, lm_head_weight: torch.Tensor
                          f"{sorted(set(expected) - set(state))} (check medusa_fc_bias and truncated_vocab_size)")
     for key, shape in expected.items():
         if tuple(state[key].shape) != shape:
-            raise ValueError(f"{d / VLLM_WEIGHTS}: {key} has shape {tuple(state[key].shape)}, the config implies {shape}")
+            raise ValueError(f"{d / VLLM_WEIGHTS}: {key} has shape {tuple(state[key].shape)}, "
+                             f"the config implies {shape}")
     if rows < v:
         if not shared:
-            raise ValueError(f"{d / CONFIG_NAME}: a token_map needs original_lm_head (vLLM 0.32 truncates a shared LM head only)")
+            raise ValueError(f"{d / CONFIG_NAME}: a token_map needs original_lm_head "
+                             "(vLLM 0.32 truncates a shared LM head only)")
         tmap = state["token_map"]
         if tmap.dtype != torch.long:
             raise ValueError(f"{d / VLLM_WEIGHTS}: token_map must be int64 token ids, got {tmap.dtype}")
@@ -115,7 +118,8 @@ def check_vllm_export(directory: str | os.PathLike, lm_head_weight: torch.Tensor
         if lm_head_weight is not None:
             want = lm_head_weight.detach().to("cpu")[tmap].to(state["lm_head.weight"].dtype)
             if not torch.equal(state["lm_head.weight"], want):
-                raise ValueError(f"{d / VLLM_WEIGHTS}: lm_head.weight rows are not the base LM head's rows at token_map")
+                raise ValueError(f"{d / VLLM_WEIGHTS}: lm_head.weight rows are not the base LM head's rows "
+                                 "at token_map")
     return config
 
 
@@ -142,7 +146,8 @@ def export_vllm_plugin(heads: MedusaHeads, base: PreTrainedModel, out: str | os.
     lm = base.get_output_embeddings().weight.detach()
     embed = base.get_input_embeddings().weight.detach()
     if tuple(lm.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(f"heads expect an LM head of ({cfg.vocab_size}, {cfg.hidden_size}), the base's is {tuple(lm.shape)}")
+        raise ValueError(f"heads expect an LM head of ({cfg.vocab_size}, {cfg.hidden_size}), "
+                         f"the base's is {tuple(lm.shape)}")
     tied = embed.shape == lm.shape and (embed.data_ptr() == lm.data_ptr() or torch.equal(embed, lm))
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in heads.state_dict().items()}
     state["lm_head.weight"] = lm.to("cpu").contiguous().clone()

@@ -91,11 +91,14 @@ TREES = [*list_presets(), "adaptive", "plain"]
 
 def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     """The options every generating command shares."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="the embedded default's name, a local HF directory or a hub id")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="the embedded default's name, a local HF directory or a hub id")
     _heads_args(parser, "heads directory (default: the shipped heads, if they fit the model; else untrained heads)")
     parser.add_argument("--tree", default=None, choices=TREES, metavar="TREE",
-                        help=f"tree ({', '.join(TREES)}; plain: no drafting; default: adaptive where the heads were calibrated, else their own tree)")
-    parser.add_argument("--max-new-tokens", type=positive, default=max_new_tokens, help="most tokens to generate per reply")
+                        help=f"tree ({', '.join(TREES)}; plain: no drafting; default: adaptive where the heads were "
+                             "calibrated, else their own tree)")
+    parser.add_argument("--max-new-tokens", type=positive, default=max_new_tokens,
+                        help="most tokens to generate per reply")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
                         help="the model's dtype (bf16: faster on CPUs with AVX512-BF16 or AMX, and on GPUs; int8: "
                              "CPU only, int8 linears with bf16 elsewhere, exact against its own plain decoding)")
@@ -106,8 +109,8 @@ def _model_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
 
 def _gguf_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", default=None, metavar="FILE|WEIGHTS",
-                        help="run the target on llama.cpp (`make llamacpp-setup` builds it): a GGUF file of --model, or "
-                             "a weight type (f32, bf16, q8_0, q4_1, q4_k_m) converted from --model once and cached; "
+                        help="run the target on llama.cpp (`make llamacpp-setup` builds it): a GGUF file of --model, "
+                             "or a weight type (f32, bf16, q8_0, q4_1, q4_k_m) converted from --model once and cached; "
                              "greedy output is then llama.cpp's own greedy decoding of that file")
 
 
@@ -205,7 +208,8 @@ def _add_demo(command: Command) -> None:
 
 def _add_distill(command: Command) -> None:
     s = command("distill", "the target answers prompts itself (resumable: rerun continues)", cmd_distill)
-    s.add_argument("--model", default=DEFAULT_MODEL, help="the target: the embedded default's name, a local HF directory or a hub id")
+    s.add_argument("--model", default=DEFAULT_MODEL,
+                   help="the target: the embedded default's name, a local HF directory or a hub id")
     s.add_argument("--prompts", required=True, help='JSONL prompts: {"prompt": ...} or {"turns": [...]} per line')
     s.add_argument("--out", required=True, help="JSONL conversations to append to (rows already there are skipped)")
     s.add_argument("--limit", type=positive, default=None, help="answer at most this many prompts (default: all)")
@@ -261,7 +265,8 @@ def _add_train(command: Command) -> None:
                                                  "NAME.gz exists, that is read)")
     t.add_argument("--features", default=None, help="feature shards (overrides the recipe's features)")
     t.add_argument("--out", default=None, help="heads directory to write (overrides the recipe's out)")
-    t.add_argument("--max-steps", dest="max_steps", type=positive, default=None, help="overrides the recipe's max_steps")
+    t.add_argument("--max-steps", dest="max_steps", type=positive, default=None,
+                   help="overrides the recipe's max_steps")
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     _threads_arg(t, None)
@@ -272,12 +277,12 @@ def _add_calibrate(command: Command) -> None:
                              "tree runs on (acceptance, prompt lookup, cost)", cmd_calibrate)
     _heads_args(c, "heads directory to calibrate (its config.json is rewritten)", required=True)
     c.add_argument("--parts", default=",".join(PARTS),
-                   help="what to measure: tree (the fixed tree, config.tree), acceptance, lookup, cost (config.adaptive; "
-                        "cost is stored per kernels, beside the other kernels' entries), batch (a batch's verify, added to "
-                        "these kernels' cost: batches then draft per-step trees too), greedy (a greedy verify, which "
-                        "skips the LM head through the screen, added likewise: greedy steps are sized by it), ngrams "
-                        "(the target's phrasebook: an n-gram store of its distilled answers, ngrams.safetensors, and "
-                        "its acceptance)")
+                   help="what to measure: tree (the fixed tree, config.tree), acceptance, lookup, cost "
+                        "(config.adaptive; cost is stored per kernels, beside the other kernels' entries), batch (a "
+                        "batch's verify, added to these kernels' cost: batches then draft per-step trees too), greedy "
+                        "(a greedy verify, which skips the LM head through the screen, added likewise: greedy steps "
+                        "are sized by it), ngrams (the target's phrasebook: an n-gram store of its distilled answers, "
+                        "ngrams.safetensors, and its acceptance)")
     c.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
     c.add_argument("--data", default="data/distilled.jsonl",
                    help="distilled conversations (the held-out split is used; where only NAME.gz exists, that is read)")
@@ -289,14 +294,19 @@ def _add_calibrate(command: Command) -> None:
     c.add_argument("--topk", type=positive, default=CAL.topk, help="ranks per head considered for the tree")
     c.add_argument("--context", type=positive, default=CAL.context, help="cached tokens when timing the verify pass")
     c.add_argument("--repeats", type=positive, default=CAL.repeats, help="timed forwards per size (the median is used)")
-    c.add_argument("--overhead-ms", type=float, default=CAL.overhead_ms, help="per-step Python work besides heads and verify")
-    c.add_argument("--accept-topk", type=positive, default=CAL.accept_topk, help="candidates per head in the acceptance calibration "
-                                                                   "and per parent when timing a drafting level")
-    c.add_argument("--lookup-tokens", type=positive, default=CAL.lookup_tokens, help="prompt-lookup continuation length measured")
-    c.add_argument("--contexts", default=",".join(map(str, CAL.contexts)), help="cached context lengths of the cost model")
-    c.add_argument("--batch-rows", default=",".join(map(str, CAL.batch_rows)), help="batch sizes whose verify --parts batch measures")
+    c.add_argument("--overhead-ms", type=float, default=CAL.overhead_ms,
+                   help="per-step Python work besides heads and verify")
+    c.add_argument("--accept-topk", type=positive, default=CAL.accept_topk,
+                   help="candidates per head in the acceptance calibration and per parent when timing a drafting level")
+    c.add_argument("--lookup-tokens", type=positive, default=CAL.lookup_tokens,
+                   help="prompt-lookup continuation length measured")
+    c.add_argument("--contexts", default=",".join(map(str, CAL.contexts)),
+                   help="cached context lengths of the cost model")
+    c.add_argument("--batch-rows", default=",".join(map(str, CAL.batch_rows)),
+                   help="batch sizes whose verify --parts batch measures")
     c.add_argument("--report", default=None, help="folder for a calibration report (report.md, reliability.png)")
-    c.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32", help="the model's dtype (int8: CPU only)")
+    c.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                   help="the model's dtype (int8: CPU only)")
     c.add_argument("--force-cost", action="store_true",
                    help="store timings (tree, cost, batch, greedy) even when they cannot be trusted: taken while other "
                         "work loaded the machine, or implausible (by default they are not stored, and calibrate "
@@ -311,7 +321,8 @@ def _add_bench(command: Command) -> None:
     b = command("bench", "hf vs prompt lookup vs medusa, same process, alternating order", cmd_bench)
     b.add_argument("--prompts", required=True, help='JSONL prompts: {"prompt": ...} or {"turns": [...]} per line, '
                                                     'optionally with "category"')
-    b.add_argument("--model", default=DEFAULT_MODEL, help="the embedded default's name, a local HF directory or a hub id")
+    b.add_argument("--model", default=DEFAULT_MODEL,
+                   help="the embedded default's name, a local HF directory or a hub id")
     _heads_args(b, "heads directory (default: the shipped heads, if they fit the model; else untrained heads)")
     _prepack_arg(b)
     _gguf_arg(b)
@@ -364,14 +375,17 @@ def _add_fit(command: Command) -> None:
     fi = command("fit", "heads for a model within a time budget: distill, train, calibrate, bench (rerun continues)",
                  cmd_fit)
     fi.add_argument("--model", default=DEFAULT_MODEL, help="the base model (a name, a local HF folder or a hub id)")
-    fi.add_argument("--budget", required=True, help="wall-clock time for everything, model loading included: 6m, 90m, 2h, 1h30m")
-    fi.add_argument("--out", default="runs/fit", help="heads directory to write (then MedusaModel.from_pretrained(model, "
-                                                     "heads=OUT)); it also keeps the answers, features, state and report")
+    fi.add_argument("--budget", required=True,
+                    help="wall-clock time for everything, model loading included: 6m, 90m, 2h, 1h30m")
+    fi.add_argument("--out", default="runs/fit",
+                    help="heads directory to write (then MedusaModel.from_pretrained(model, heads=OUT)); it also keeps "
+                         "the answers, features, state and report")
     fi.add_argument("--prompts", nargs="+", default=None,
                     help="prompt files to distill (default: data/train_prompts.jsonl.gz, and the default model's own "
                          "data/self_prompts.jsonl.gz), less any prompt of a data/bench_prompts*.jsonl file")
     fi.add_argument("--bench-prompts", default="data/bench_prompts.jsonl", help="held-out prompts of the closing bench")
-    fi.add_argument("--max-answers", type=positive, default=None, help="at most this many answers, whatever the budget buys")
+    fi.add_argument("--max-answers", type=positive, default=None,
+                    help="at most this many answers, whatever the budget buys")
     fi.add_argument("--max-steps", type=positive, default=None, help="at most this many training steps")
     fi.add_argument("--force-cost", action="store_true",
                     help="store the kernels' timings even when taken on a loaded machine (otherwise such timings are "
@@ -384,7 +398,8 @@ def _add_fit(command: Command) -> None:
                          "SGLang, llama.cpp's server, ...), e.g. http://localhost:8000; checked first (tokenizer, a "
                          "few greedy answers against the model's own); their features then come from a separate pass "
                          "within distill's time")
-    fi.add_argument("--server-model", default=None, help="--server: the served model's name (default: the first listed)")
+    fi.add_argument("--server-model", default=None,
+                    help="--server: the served model's name (default: the first listed)")
     _engine_args(fi, "for the distill phase", "'--dtype float32 --max-model-len 2048'")
     fi.add_argument("--concurrency", type=positive, default=None,
                     help="--server, --engine: requests in flight (default: 16)")

@@ -83,7 +83,8 @@ def _not_utf8(text: str) -> str | None:
 def _check_sampling(args: argparse.Namespace) -> None:
     """--temperature / --top-p shape sampling only: without --do-sample they would be ignored, so they are refused.
     With --do-sample, what is not given takes its default."""
-    given = [flag for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)) if value is not None]
+    given = [flag for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p))
+             if value is not None]
     if given and not args.do_sample:
         raise SystemExit(f"{' and '.join(given)} set{'s' if len(given) == 1 else ''} sampling, but decoding is greedy "
                          f"without --do-sample; add --do-sample, or leave out {' and '.join(given)}")
@@ -208,7 +209,8 @@ def _load_medusa(args: argparse.Namespace):
                                             device_map=args.device, prepack=None if args.prepack else False, **dtype)
     if not model.config.extra:  # trained heads record their recipe and training; new heads record nothing
         where = f"{args.heads} holds" if args.heads else f"no shipped heads fit {args.model}, so it runs with"
-        _note(f"untrained heads: {where} zero-initialised heads; tau will be near 1.0; train heads with `medusa-heads train`")
+        _note(f"untrained heads: {where} zero-initialised heads; tau will be near 1.0; "
+              "train heads with `medusa-heads train`")
     return model, tok
 
 

@@ -21,7 +21,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
                          streamer=TextStreamer(tok, skip_prompt=True), **_sampling(args))
     dt = time.perf_counter() - t
-    print(f"\n[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
+    print(f"\n[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, "
+          f"tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
@@ -45,7 +46,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
             except EOFError:
                 break
             except UnicodeDecodeError as e:  # a stdin that could not be reconfigured
-                _note(f"chat: that line is not valid UTF-8 (byte 0x{e.object[e.start]:02x}); it was skipped: type it again")
+                _note(f"chat: that line is not valid UTF-8 (byte 0x{e.object[e.start]:02x}); "
+                      "it was skipped: type it again")
                 continue
             if not line:
                 break
@@ -59,8 +61,10 @@ def cmd_chat(args: argparse.Namespace) -> None:
             res = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
                                  streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True), **sampling)
             dt = time.perf_counter() - t
-            messages.append({"role": "assistant", "content": tok.decode(res.sequences[0, ids.shape[1]:], skip_special_tokens=True)})
-            print(f"[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
+            messages.append({"role": "assistant",
+                             "content": tok.decode(res.sequences[0, ids.shape[1]:], skip_special_tokens=True)})
+            print(f"[{res.stats.new_tokens} tokens, {res.stats.new_tokens / dt:.1f} tokens/s, "
+                  f"tau {res.stats.mean_accepted:.2f}]", file=sys.stderr)
     except KeyboardInterrupt:
         print(file=sys.stderr)  # end the line the prompt or the reply left open
 
@@ -99,7 +103,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     for i, prompt in enumerate(DEMO_PROMPTS):
         ids = prompt_ids(tok, prompt).to(base.device)
         runs = [("hf", lambda: base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)),
-                ("medusa", lambda: model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True))]
+                ("medusa", lambda: model.generate(ids, max_new_tokens=args.max_new_tokens,
+                                                  return_dict_in_generate=True))]
         if packed:
             runs.append(("hf_stock", lambda: hf_stock(ids)))
         out = {}
@@ -112,7 +117,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
         n_tok += out["hf"].shape[1] - ids.shape[1]
         same += int(torch.equal(out["hf"], out["medusa"].sequences))
         taus.append(out["medusa"].stats.mean_accepted)
-        bar.write(f"[{i + 1}] {prompt}\n    {tok.decode(out['hf'][0, ids.shape[1]:], skip_special_tokens=True)[:160]!r}...",
+        bar.write(f"[{i + 1}] {prompt}\n"
+                  f"    {tok.decode(out['hf'][0, ids.shape[1]:], skip_special_tokens=True)[:160]!r}...",
                   file=sys.stdout)
     bar.close()
     _demo_table(seconds, n_tok, taus, same, packed)
@@ -150,11 +156,12 @@ def _demo_table(seconds: dict[str, float], n_tok: int, taus: list[float], same: 
     print(f"{'transformers' + (', prepacked' if packed else '') + ' (baseline)':<36}{n_tok / seconds['hf']:>10.1f}"
           f"{1.0:>7.2f}{1.0:>10.2f}")
     if packed:
-        print(f"{'transformers, stock kernels':<36}{n_tok / seconds['hf_stock']:>10.1f}{1.0:>7.2f}{seconds['hf'] / seconds['hf_stock']:>10.2f}")
-    print(f"{'medusa-heads' + (', prepacked' if packed else ''):<36}{n_tok / seconds['medusa']:>10.1f}{sum(taus) / len(taus):>7.2f}"
-          f"{seconds['hf'] / seconds['medusa']:>10.2f}")
-    print("tau: tokens each forward of the model yields (plain generate: 1; medusa: the drafted tokens it accepts + 1); "
-          "speed-up: against the baseline row")
+        print(f"{'transformers, stock kernels':<36}{n_tok / seconds['hf_stock']:>10.1f}{1.0:>7.2f}"
+              f"{seconds['hf'] / seconds['hf_stock']:>10.2f}")
+    print(f"{'medusa-heads' + (', prepacked' if packed else ''):<36}{n_tok / seconds['medusa']:>10.1f}"
+          f"{sum(taus) / len(taus):>7.2f}{seconds['hf'] / seconds['medusa']:>10.2f}")
+    print("tau: tokens each forward of the model yields (plain generate: 1; medusa: the drafted tokens it accepts "
+          "+ 1); speed-up: against the baseline row")
     print(f"identical outputs (medusa vs transformers on the same kernels): {same}/{len(DEMO_PROMPTS)}")
 
 

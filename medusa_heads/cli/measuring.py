@@ -52,8 +52,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     timed = [p for p in parts if p in TIMED_PARTS]
     load, cores = os.getloadavg()[0], cpu_count()
     if timed and not args.force_cost and load > cores + 0.5:
-        _note(f"the load average is {load:.1f} on {cores} cores: other work is running, and timings ({', '.join(timed)}) "
-              "taken now will not be stored unless the load falls (--force-cost stores them anyway)")
+        _note(f"the load average is {load:.1f} on {cores} cores: other work is running, and timings "
+              f"({', '.join(timed)}) taken now will not be stored unless the load falls (--force-cost stores them "
+              "anyway)")
     conversations = held_out_conversations(read_conversations(data), args.heads) if needs_data else []
     phrase_data = None
     if "ngrams" in parts:  # the heads' held-out prompts are the phrasebook's too
@@ -64,7 +65,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         phrase_data = ([c for c in every if c["id"] not in ids], held)
     prepack = args.prepack and args.device in (None, "cpu")
     model = MedusaModel.from_pretrained(args.model, heads=args.heads, device_map=args.device, gguf=_check_gguf(args),
-                                        prepack=None if prepack else False, allow_base_mismatch=args.allow_base_mismatch,
+                                        prepack=None if prepack else False,
+                                        allow_base_mismatch=args.allow_base_mismatch,
                                         **_dtype_kwargs(args.dtype, args.device))
     settings = Settings(max_nodes=args.max_nodes, topk=args.topk, context=args.context, repeats=args.repeats,
                         overhead_ms=args.overhead_ms, accept_topk=args.accept_topk, lookup_tokens=args.lookup_tokens,
@@ -90,7 +92,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         try:
             sizes = [int(b) for b in args.batch_sizes.split(",")]
         except ValueError:
-            raise SystemExit(f"--batch-sizes takes comma-separated positive integers, e.g. 1,4,8; got {args.batch_sizes!r}") from None
+            raise SystemExit(f"--batch-sizes takes comma-separated positive integers, e.g. 1,4,8; "
+                             f"got {args.batch_sizes!r}") from None
         if min(sizes) < 1:
             raise SystemExit(f"--batch-sizes takes positive integers, got {args.batch_sizes!r}")
         if len(rows) < max(sizes):
@@ -137,7 +140,8 @@ def _prepare_llamacpp(methods: list[str], args: argparse.Namespace) -> None:
     if not wanted:
         return
     if args.do_sample:
-        raise SystemExit("--methods: the llama.cpp methods decode greedily; leave out --do-sample or the llamacpp methods")
+        raise SystemExit("--methods: the llama.cpp methods decode greedily; "
+                         "leave out --do-sample or the llamacpp methods")
     try:
         llamacpp.python_binding()
         if any(llamacpp.plain_reference(m) for m in wanted):

@@ -40,7 +40,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
     if args.engine:
         _distill_from_vllm(args, base, tok, rows, vllm_py)
         return
-    medusa = MedusaModel.from_pretrained(base, heads=args.heads, allow_base_mismatch=args.allow_base_mismatch) if args.heads else None
+    medusa = (MedusaModel.from_pretrained(base, heads=args.heads, allow_base_mismatch=args.allow_base_mismatch)
+              if args.heads else None)
     counts = distill(base, tok, rows, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                      temperature=args.temperature, top_p=args.top_p, medusa=medusa, seed=args.seed,
                      features=args.features, reuse=reusable_answers(args.reuse) if args.reuse else None)
@@ -69,8 +70,8 @@ def _distill_rows(args: argparse.Namespace, caps: dict[str, int]) -> list:
         single = sum(len(r.turns) == 1 for r in rows)
         if args.temperature <= 0 and single:
             # a greedy variant is new only where a row asks more than its prompt: follow-up turns
-            raise SystemExit(f"--variant asks for a further answer to each prompt, but {single} of the {len(rows)} rows "
-                             "have a single turn, whose greedy answer would repeat the first: give it a "
+            raise SystemExit(f"--variant asks for a further answer to each prompt, but {single} of the {len(rows)} "
+                             "rows have a single turn, whose greedy answer would repeat the first: give it a "
                              "--temperature > 0, or rows with follow-up turns")
         rows = as_variant(rows, args.variant)
     return rows
@@ -80,7 +81,8 @@ def _check_answer_source(args: argparse.Namespace) -> str | None:
     """Refuse --server / --engine with what they cannot take; the python that runs vLLM for --engine, else None."""
     remote = "--server" if args.server else "--engine" if args.engine else None
     if remote and (args.heads or args.reuse):
-        raise SystemExit(f"{remote} answers every turn on the server: leave out {'--heads' if args.heads else '--reuse'}")
+        raise SystemExit(f"{remote} answers every turn on the server: "
+                         f"leave out {'--heads' if args.heads else '--reuse'}")
     if args.server and args.engine:
         raise SystemExit("--server and --engine both name where the answers come from: give one")
     if not args.engine:

@@ -42,7 +42,8 @@ class Target:
             # transformers' SDPA path repeats every cached key and value across the query heads of a group
             # (repeat_kv) whenever a mask is given, unless told to pass enable_gqa to PyTorch, which CPU kernels
             # honour with a mask too. Same logits, bit for bit; at 4K cached tokens a 2-token verify of SmolLM2
-            # costs ~1.2x a plain step instead of ~2x. Process-wide, as transformers reads it; a user's own setting wins.
+            # costs ~1.2x a plain step instead of ~2x. Process-wide, as transformers reads it; a user's own setting
+            # wins.
             os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
     @property
@@ -72,8 +73,8 @@ class Target:
         return TargetOutput(logits=out.logits, hidden=tap.first())
 
     def _run_greedy(self, **kwargs) -> TargetOutput | None:
-        """_run's argmax of the logits, through the screen (medusa_heads/kernels/screen.py) and the decoder alone; None where
-        the screen does not serve this model."""
+        """_run's argmax of the logits, through the screen (medusa_heads/kernels/screen.py) and the decoder alone;
+        None where the screen does not serve this model."""
         screen = self.screen.get()
         if screen is None:
             return None
@@ -172,7 +173,8 @@ class BatchRows:
     padding is. Positions count each row's real tokens only, so every row computes exactly what it would alone.
     Finished rows ride along in the verify with their root alone."""
 
-    def __init__(self, target: Target, cache: DynamicCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    def __init__(self, target: Target, cache: DynamicCache, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor) -> None:
         if not bool(attention_mask[:, -1].all()):
             raise ValueError("batched prompts must be left-padded: the last position of every row must be a real token")
         self.target, self.cache, self.input_ids = target, cache, input_ids

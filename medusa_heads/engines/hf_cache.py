@@ -31,7 +31,8 @@ class PreallocatedLayer(DynamicLayer):
         for buf in (self._k, self._v):
             FREE_TAIL[buf.untyped_storage().data_ptr()] = buf
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.keys.shape[-2]
@@ -57,7 +58,8 @@ def new_cache(model: PreTrainedModel, capacity: int | None = None) -> DynamicCac
     """A DynamicCache whose every layer keeps its whole history (with `capacity`, in preallocated buffers).
     transformers' sliding-window layers keep only the last window of keys, so a tree that is verified and then cut
     back would leave them without the entries it pushed out: here they keep everything, and their masks
-    (medusa_heads/kernels/layers.py) show them only their window. The load probe refuses models with other layer types."""
+    (medusa_heads/kernels/layers.py) show them only their window. The load probe refuses models with other layer
+    types."""
     cache = DynamicCache(config=model.config)
     for layer in cache.layers:
         if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):  # full, sliding and chunked attention

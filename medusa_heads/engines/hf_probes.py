@@ -26,7 +26,8 @@ def check_tree_attention(target: Target) -> None:
     name = type(model).__name__
     impl = getattr(model.config, "_attn_implementation", None)
     if impl in _UNSUPPORTED_ATTENTION:
-        raise ValueError(f"{name}: attn_implementation={impl!r} takes no custom 4D mask; load it with 'sdpa' or 'eager'")
+        raise ValueError(f"{name}: attn_implementation={impl!r} takes no custom 4D mask; "
+                         "load it with 'sdpa' or 'eager'")
     vocab = model.get_output_embeddings().weight.shape[0]
     device = model.device
     a, y, z, w = (torch.tensor([t % vocab], device=device) for t in (11, 23, 29, 31))

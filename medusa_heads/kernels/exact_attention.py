@@ -91,8 +91,9 @@ _count = threading.local()  # calls so far in each thread: whether a model's for
 
 
 def calls() -> int:
-    """This attention's calls so far in this thread (medusa_heads/kernels/exactness.py compares the count before and after a
-    probe's forwards: another thread decoding meanwhile must not make a model that skips it look as if it ran it)."""
+    """This attention's calls so far in this thread (medusa_heads/kernels/exactness.py compares the count before and
+    after a probe's forwards: another thread decoding meanwhile must not make a model that skips it look as if it ran
+    it)."""
     return getattr(_count, "n", 0)
 
 

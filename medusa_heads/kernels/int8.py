@@ -117,8 +117,9 @@ class Int8Linear(PackedLinear):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 weights, two-level int8 rows (oneDNN)" + (
-            ", one product with its siblings" if self.siblings is not None else "")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                "int8 weights, two-level int8 rows (oneDNN)"
+                + (", one product with its siblings" if self.siblings is not None else ""))
 
 
 def quantize_linears(model: nn.Module) -> int:

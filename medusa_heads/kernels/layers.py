@@ -1,10 +1,10 @@
 """The target's attention layer types, as transformers reads them from the config, and the masks a tree needs for each.
 
-Every layer keeps its whole history in our cache (medusa_heads/engines/hf_cache.py), so keeping a tree's accepted path is the same
-cut for every layer; a sliding-window or chunked layer sees only part of that history, which is what its mask says.
-Masks are built in *position* space (a key's position against the query's), not in cache slots: a tree node sits at
-position past + depth whatever its slot, and a batch's rows leave stale slots between their ends. One table below
-holds what each layer type lets a query see; a type not in it is refused at load, with the reason."""
+Every layer keeps its whole history in our cache (medusa_heads/engines/hf_cache.py), so keeping a tree's accepted path
+is the same cut for every layer; a sliding-window or chunked layer sees only part of that history, which is what its
+mask says. Masks are built in *position* space (a key's position against the query's), not in cache slots: a tree node
+sits at position past + depth whatever its slot, and a batch's rows leave stale slots between their ends. One table
+below holds what each layer type lets a query see; a type not in it is refused at load, with the reason."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,12 +20,14 @@ FULL = "full_attention"
 # full attention sees every earlier position, so its mask is the causal/tree one as it is
 _SEES: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
     "sliding_attention": lambda q, k, w: k > q - w,  # the w latest positions, the query's own included
-    "chunked_attention": lambda q, k, w: torch.div(k, w, rounding_mode="floor") == torch.div(q, w, rounding_mode="floor"),
+    "chunked_attention": lambda q, k, w: (torch.div(k, w, rounding_mode="floor")
+                                          == torch.div(q, w, rounding_mode="floor")),
 }
 
 # cache layer types that hold no per-token keys and values, so no tree can be verified and cut back on them
 _WHY_NOT = {
-    "linear_attention": "its linear-attention layers keep a recurrent state, which a rejected draft would leave changed",
+    "linear_attention": ("its linear-attention layers keep a recurrent state, which a rejected draft would leave "
+                         "changed"),
     "conv": "its convolution layers keep a rolling state, which a rejected draft would leave changed",
     "hybrid": "its hybrid layers keep a recurrent state, which a rejected draft would leave changed",
     "hybrid_sliding": "its hybrid layers keep a recurrent state, which a rejected draft would leave changed",

@@ -40,7 +40,8 @@ class PackedLinear(nn.Module):
     """y = x W^T + b through oneDNN with W packed once; `weight` and `bias` are the original Parameters."""
 
     kernel = "oneDNN"  # named in repr and the step profile
-    cost_kind = "prepacked"  # the kernels' part of the key their cost tables are stored under (tree.adaptive.kernels_key)
+    # the kernels' part of the key their cost tables are stored under (tree.adaptive.kernels_key)
+    cost_kind = "prepacked"
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 8) -> None:
         super().__init__()
@@ -49,7 +50,8 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.enabled = True  # False: plain nn.functional.linear (the stock kernels), for comparisons
         self.siblings: Siblings | None = None  # the product this linear shares with the others reading its input
-        self.row_cap: int | None = None  # at most this many rows a product (medusa_heads/kernels/exactness.py: cap_rows)
+        # at most this many rows a product (medusa_heads/kernels/exactness.py: cap_rows)
+        self.row_cap: int | None = None
         self.packed_as = (linear.weight.dtype, linear.weight.device)
         with torch.no_grad():
             self.pack(linear.weight.detach(), batch_hint)

@@ -87,7 +87,8 @@ class ArgmaxScreen:
         wide = (~sure).nonzero()[:, 0]
         if wide.numel():  # rare: more than TOP candidates may be in these rows
             sw = s[wide].float()
-            more_rows, more_cols = (sw + (norms[wide] @ self.coef + sw.abs() * RHO) >= floor[wide, None]).nonzero(as_tuple=True)
+            more_rows, more_cols = (sw + (norms[wide] @ self.coef + sw.abs() * RHO)
+                                    >= floor[wide, None]).nonzero(as_tuple=True)
             rows, cols = torch.cat([rows, wide[more_rows]]), torch.cat([cols, more_cols])
         return self._settle(h, ids[:, 0], rows, cols)
 

@@ -64,7 +64,8 @@ class LMHeadTap:
     def first(self) -> torch.Tensor:
         """The input of the first call (B, T, H)."""
         if not self.steps:
-            raise RuntimeError(f"{type(self.lm_head).__name__} was never called: the model's forward did not use its LM head")
+            raise RuntimeError(f"{type(self.lm_head).__name__} was never called: "
+                               "the model's forward did not use its LM head")
         return self.steps[0]
 
     def hidden(self) -> torch.Tensor:
