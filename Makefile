@@ -48,8 +48,8 @@ $(VLLM_VENV)/.installed:
 # (one chat request).
 test-vllm: setup vllm-setup
 	$(VENV)/bin/medusa-heads export --force --format vllm $(SERVING_HEADS) $(VLLM_RUN)/heads
-	timeout 900 $(PY) scripts/vllm_check.py ours --heads $(SERVING_HEADS) --out $(VLLM_RUN)/ours.json
-	timeout 1800 $(VPY) scripts/vllm_check.py check --export $(VLLM_RUN)/heads --ours $(VLLM_RUN)/ours.json
+	timeout 900 $(PY) -m scripts.vllm_check ours --heads $(SERVING_HEADS) --out $(VLLM_RUN)/ours.json
+	timeout 1800 $(VPY) -m scripts.vllm_check check --export $(VLLM_RUN)/heads --ours $(VLLM_RUN)/ours.json
 
 # llama.cpp, the engine CPU users run, beside us in `bench --methods ...,llamacpp`: llama-cpp-python's sdist built for
 # this CPU (ggml's options named, AMX off, -march=native off) and llama.cpp's server from the same source, once, in

@@ -9,20 +9,14 @@ nor (attention) on how many masked keys follow the ones it sees. This prints, fo
 attention, whether row 0 of an M-row call equals the 1-row call (oneDNN with packed weights, as prepack runs them,
 and PyTorch's stock product), and whether a tree row's attention equals the plain step's:
 
-    python experiments/batch_invariance.py --out FILE.md"""
+    python -m experiments.batch_invariance --out FILE.md"""
 from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from medusa_heads.kernels.prepack import PackedWeight
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from common import emit  # noqa: E402  scripts/common.py
+from scripts.common import emit, parser
 
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152))  # SmolLM2-135M: q/o, k/v, up/gate, down, LM head
 ROWS = (2, 3, 4, 6, 8, 12, 16, 32)
@@ -63,9 +57,7 @@ def attention_rows(dtype: torch.dtype, past: int = 200, t: int = 8) -> list[str]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None)
+    p = parser(__doc__, "threads", "out")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lines = [f"Row 0 of an M-row product against the 1-row product (M in {', '.join(map(str, ROWS))}): the M where it "

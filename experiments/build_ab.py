@@ -2,14 +2,13 @@
 """This build's generate against an earlier build's, in one process on one base model, alternating per prompt, with
 transformers' generate as the yardstick: greedy, the shipped heads, each build's default tree.
 
-    python experiments/build_ab.py --old 3e4d292 --prompts data/bench_prompts.jsonl --out results/ab/build_ab.md
+    python -m experiments.build_ab --old 3e4d292 --prompts data/bench_prompts.jsonl --out results/ab/build_ab.md
 
 The earlier build is taken from git (`git archive REV`) into a temporary folder and imported under another package
 name (medusa_old), so both run side by side on the same prepacked base and the same heads files."""
 from __future__ import annotations
 
-import argparse
-import importlib
+import importlib.util
 import io
 import re
 import subprocess
@@ -21,11 +20,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from common import emit  # noqa: E402  scripts/common.py
+from medusa_heads.calibration.timing import alternate
+from scripts.common import emit, parser
 
-from medusa_heads.calibration.timing import alternate  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LAYOUT = {"medusa_heads": "", "inference": "inference", "tree": "tree", "training": "training", "configs": "configs"}
 
@@ -50,18 +48,17 @@ def old_build(rev: str, into: Path):
             if path.suffix == ".py":
                 data = re.sub(rb"\bmedusa_heads\b", b"medusa_old", data)
             out.write_bytes(data)
-    sys.path.insert(0, str(into))
-    return importlib.import_module("medusa_old")
+    spec = importlib.util.spec_from_file_location("medusa_old", pkg / "__init__.py",
+                                                  submodule_search_locations=[str(pkg)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["medusa_old"] = module  # its own imports of medusa_old.* find it, and its __path__ the rest
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "limit", "max_new_tokens", "threads", "out", prompts=["data/bench_prompts.jsonl"])
     p.add_argument("--old", required=True, help="git revision of the earlier build")
-    p.add_argument("--prompts", nargs="+", default=["data/bench_prompts.jsonl"])
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -3,7 +3,6 @@ on transformers, llama.cpp's (or transformers') plain decoding beside them, one 
 (ab_loop.alternate): tokens/s, outputs differing from plain decoding, and drafting ms a step."""
 from __future__ import annotations
 
-import argparse
 import json
 from collections import defaultdict
 
@@ -13,16 +12,13 @@ from transformers import AutoTokenizer
 from medusa_heads import MedusaModel, default_model_path, llamacpp
 from medusa_heads.cli.commands import _read_prompts
 
-from ab_loop import alternate  # noqa: E402  (experiments/ is the script's folder)
+from experiments.ab_loop import alternate
+from scripts.common import parser
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = parser(__doc__, "prompts", "max_new_tokens", "threads", limit=21)
     p.add_argument("--gguf", default="q8_0", help="a weight type, or 'none' for the transformers target")
-    p.add_argument("--prompts", default="data/bench_prompts.jsonl")
-    p.add_argument("--limit", type=int, default=21)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     path = default_model_path()

@@ -4,11 +4,10 @@ offline LLM.generate in its own environment, then the same features pass); the s
 decoding; how many of vLLM's answers equal transformers'. Each contender runs alone, one after another, on an idle
 machine; the answers and features stay in --out for training heads on each.
 
-    python experiments/engine_distill.py --limit 256 --max-new-tokens 256 --out runs/engine [--features-dtype bf16]
+    python -m experiments.engine_distill --limit 256 --max-new-tokens 256 --out runs/engine [--features-dtype bf16]
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
@@ -16,6 +15,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from scripts.common import parser
 
 ROOT = Path(__file__).resolve().parent.parent
 OFFLINE = r'''
@@ -41,15 +42,12 @@ if __name__ == "__main__":
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--limit", type=int, default=256)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap = parser(__doc__.split("\n\n")[0], limit=256, max_new_tokens=256, out="runs/engine")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--features-dtype", choices=["fp32", "bf16"], default="bf16",
                     help="the dtype of the features pass over vLLM's answers (`features --dtype`)")
-    ap.add_argument("--out", default="runs/engine")
     ap.add_argument("--table", default="results/engine/throughput.md")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # vLLM on both cores, as the other contenders
@@ -130,7 +128,7 @@ def main() -> None:
     lines = ["# Distillation: answers per hour", "",
              f"SmolLM2-135M-Instruct, fp32, {n} one-turn training prompts (the first of data/train_prompts.jsonl.gz), "
              f"at most {args.max_new_tokens} new tokens, greedy; 2-core {_cpu()}, 2 threads; each contender alone "
-             "(`python experiments/engine_distill.py`).", "",
+             "(`python -m experiments.engine_distill`).", "",
              "| contender | answers | features | answers per hour, features included | × transformers | answers equal to transformers' |",
              "|---|---|---|---|---|---|"]
     base_rate = None

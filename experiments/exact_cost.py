@@ -2,11 +2,10 @@
 with SDPA, eager and the row-exact attention (fp32 SDPA beside them), prepacked, in one process, alternating, medians.
 Writes results/exact/cost.md.
 
-    python experiments/exact_cost.py [--context 300] [--repeats 8]
+    python -m experiments.exact_cost [--context 300] [--repeats 8]
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -20,16 +19,16 @@ from medusa_heads.kernels.exact_attention import NAME, register
 from medusa_heads.engines.hf import Target
 from medusa_heads.loading import load_base
 from medusa_heads.tree.buffers import from_parents
+from scripts.common import parser
 
 CONFIGS = [("fp32, SDPA", torch.float32, "sdpa"), ("bf16, SDPA", torch.bfloat16, "sdpa"),
            ("bf16, eager", torch.bfloat16, "eager"), ("bf16, row-exact", torch.bfloat16, NAME)]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__.split("\n\n")[0], out="results/exact/cost.md")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--out", default="results/exact/cost.md")
     args = ap.parse_args()
     torch.set_num_threads(2)
     register()
@@ -58,7 +57,7 @@ def main() -> None:
             times[name][1].append(t3 - t2)
     lines = ["# What the row-exact attention costs", "",
              f"SmolLM2-135M-Instruct, prepacked, {cpu_name()}, 2 threads, {args.context} cached tokens; medians of "
-             f"{args.repeats}, the four alternating in one process (`python experiments/exact_cost.py`).", "",
+             f"{args.repeats}, the four alternating in one process (`python -m experiments.exact_cost`).", "",
              "| dtype, attention | plain step | 12-token greedy verify |", "|---|---|---|"]
     for name, (plain, verify) in times.items():
         lines.append(f"| {name} | {1000 * statistics.median(plain[1:]):.1f} ms | "

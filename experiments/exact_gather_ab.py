@@ -2,11 +2,10 @@
 prefix copied as one broadcast and only the rest gathered (kept), alternating per prompt in one process, bf16,
 greedy; `generate` as the yardstick. Both must give the same tokens.
 
-    python experiments/exact_gather_ab.py [--prompts data/bench_prompts.jsonl] [--out results/ab/exact_gather_ab.md]
+    python -m experiments.exact_gather_ab [--prompts data/bench_prompts.jsonl] [--out results/ab/exact_gather_ab.md]
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -16,7 +15,8 @@ from medusa_heads.machine import cpu_name
 from medusa_heads.cli.commands import _read_prompts
 from medusa_heads.kernels import exact_attention
 
-from ab_loop import alternate  # noqa: E402  (experiments/ is the script's folder)
+from experiments.ab_loop import alternate
+from scripts.common import parser
 
 KEPT = exact_attention._row_values
 
@@ -26,10 +26,7 @@ def whole_width(values, order, shared, t):  # the first build: every row's whole
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", default="data/bench_prompts.jsonl")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", default="results/ab/exact_gather_ab.md")
+    ap = parser(__doc__.split("\n\n")[0], "prompts", "max_new_tokens", out="results/ab/exact_gather_ab.md")
     args = ap.parse_args()
     torch.set_num_threads(2)
     from transformers import AutoTokenizer
@@ -57,7 +54,7 @@ def main() -> None:
     lines = ["# The row-exact attention's per-row values: whole width gathered against prefix broadcast", "",
              f"{cpu_name()}, 2 threads, bf16, shipped heads, {len(rows)} prompts of `{args.prompts}`, "
              f"{args.max_new_tokens} new tokens, greedy, alternating per prompt in one process "
-             "(`python experiments/exact_gather_ab.py`).", "",
+             "(`python -m experiments.exact_gather_ab`).", "",
              "| values | tokens/s | × generate | outputs differing from generate |", "|---|---|---|---|"]
     for arm in arms:
         lines.append(f"| {arm} | {tps[arm]:.1f} | {tps[arm] / tps['hf']:.2f} | {differ[arm]} |")

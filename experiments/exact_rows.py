@@ -3,11 +3,10 @@ SDPA), SmolLM2-135M-Instruct in bf16, prepacked: random trees of 2 to 16 nodes a
 tokens; each node's logits from the verify against those of plain steps along its path, bit for bit. Writes
 results/exact/rows.md.
 
-    python experiments/exact_rows.py [--trees 12]
+    python -m experiments.exact_rows [--trees 12]
 """
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from medusa_heads.kernels.exact_attention import NAME, register
 from medusa_heads.engines.hf import Target
 from medusa_heads.loading import load_base
 from medusa_heads.tree.buffers import from_parents
+from scripts.common import parser
 
 CONTEXTS = (1, 7, 16, 31, 64, 127, 255, 256, 300, 511, 513, 1024)
 
@@ -51,16 +51,15 @@ def rows(base, trees: int) -> tuple[int, int, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__.split("\n\n")[0], out="results/exact/rows.md")
     ap.add_argument("--trees", type=int, default=len(CONTEXTS))
-    ap.add_argument("--out", default="results/exact/rows.md")
     args = ap.parse_args()
     torch.set_num_threads(2)
     register()
     lines = ["# bf16: tree rows against plain steps", "",
              f"SmolLM2-135M-Instruct, bf16, prepacked, {cpu_name()}, 2 threads; random trees of 2 to 16 nodes at "
              f"contexts {', '.join(map(str, CONTEXTS[:args.trees]))} (one tree each); a row counts as differing when "
-             "any of its logits differs from the plain steps' along its path (`python experiments/exact_rows.py`).",
+             "any of its logits differs from the plain steps' along its path (`python -m experiments.exact_rows`).",
              "", "| attention | rows differing | largest logit difference |", "|---|---|---|"]
     with torch.no_grad():
         for attention in (NAME, "eager", "sdpa"):

@@ -4,28 +4,22 @@ path as a user loads a checkpoint, in bf16 and with int8 linears on this CPU; wh
 output is the model's plain decoding bit for bit (`exact`, checked at load: medusa_heads/kernels/exactness.py) and why not, and
 whether greedy output with random heads equals the model's own `generate` on 3 prompts of 40 new tokens.
 
-    python experiments/family_exactness.py --out results/families/exactness.md
+    python -m experiments.family_exactness --out results/families/exactness.md
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from common import emit  # noqa: E402  scripts/common.py
-sys.path.insert(0, str(ROOT / "tests"))
-from conftest import randomize_heads  # noqa: E402
-from families import FAMILIES, tiny_family  # noqa: E402
-
-from medusa_heads import MedusaModel  # noqa: E402
-from medusa_heads.machine import cpu_name  # noqa: E402
+from medusa_heads import MedusaModel
+from medusa_heads.machine import cpu_name
+from scripts.common import emit, parser
+from tests.conftest import randomize_heads
+from tests.families import FAMILIES, tiny_family
 
 # families beyond the layer-type matrix: full attention each, some computing their attention themselves
 MORE = {"falcon": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}), "gpt2": ("gpt2", {}),
@@ -49,8 +43,7 @@ def run(folder: str, kwargs: dict) -> tuple[bool, str, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/families/exactness.md")
+    ap = parser(__doc__.split("\n\n")[0], out="results/families/exactness.md")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     names = list(FAMILIES) + list(MORE)
@@ -58,7 +51,7 @@ def main() -> None:
           file=sys.stderr)
     lines = ["# bf16 and int8 by family: bit for bit, as checked at load", "",
              f"{cpu_name()}; tiny random models (hidden size 32), saved and loaded by path; random heads; greedy, 3 "
-             "prompts of 40 new tokens against the model's own `generate` (`python experiments/family_exactness.py`).",
+             "prompts of 40 new tokens against the model's own `generate` (`python -m experiments.family_exactness`).",
              "", "| family | bf16: exact | = generate | int8: exact | = generate | why not exact |",
              "|---|---|---|---|---|---|"]
     for name in tqdm(names):
@@ -67,7 +60,7 @@ def main() -> None:
         else:
             from transformers import AutoConfig, AutoModelForCausalLM
 
-            from families import SIZES
+            from tests.families import SIZES
             torch.manual_seed(0)
             model_type, extra = MORE[name]
             sizes = {k: v for k, v in SIZES.items() if k != "head_dim"}

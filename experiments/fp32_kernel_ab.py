@@ -6,12 +6,11 @@ two copies of the model in one process:
    build's outputs compared with it;
 3. with --batch-sizes: the same for left-padded batches (16 prompts), new tokens up to each row's EOS.
 
-    python experiments/fp32_kernel_ab.py [--prompts data/bench_prompts.jsonl] [--tokens 1,4,8,12,16]
-    python experiments/fp32_kernel_ab.py --batch-sizes 4,8 --out results/ab/fp32_kernel_ab_batch.md
+    python -m experiments.fp32_kernel_ab [--prompts data/bench_prompts.jsonl] [--tokens 1,4,8,12,16]
+    python -m experiments.fp32_kernel_ab --batch-sizes 4,8 --out results/ab/fp32_kernel_ab_batch.md
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 from functools import partial
@@ -24,8 +23,9 @@ from medusa_heads.calibration.timing import alternate, timings
 from medusa_heads.machine import cpu_name
 from medusa_heads.cli.commands import _read_prompts
 
-from ab_loop import builds_ab  # noqa: E402  (experiments/ is the script's folder)
-from siblings_step_ab import CONTEXT, step_of  # noqa: E402
+from experiments.ab_loop import builds_ab
+from experiments.siblings_step_ab import CONTEXT, step_of
+from scripts.common import parser
 
 KERNELS = {"oneDNN": "onednn", "MKL (kept)": "mkl"}
 
@@ -43,11 +43,8 @@ def load(kernel: str) -> MedusaModel:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", default="data/bench_prompts.jsonl")
+    ap = parser(__doc__.split("\n\n")[0], "prompts", "max_new_tokens", out="results/ab/fp32_kernel_ab.md")
     ap.add_argument("--tokens", default="1,4,8,12,16")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", default="results/ab/fp32_kernel_ab.md")
     ap.add_argument("--steps-only", action="store_true", help="only the one-forward table")
     ap.add_argument("--batch-sizes", default=None, help="e.g. 4,8: batched calls only")
     args = ap.parse_args()
@@ -62,7 +59,7 @@ def main() -> None:
                        args.max_new_tokens, args.out)
     lines = ["# fp32 linears on MKL's packed SGEMM against oneDNN's packed product", "",
              f"{cpu_name()}, 2 threads, fp32, SmolLM2-135M-Instruct, shipped heads, both builds in one process "
-             "(`python experiments/fp32_kernel_ab.py`).", "",
+             "(`python -m experiments.fp32_kernel_ab`).", "",
              f"## One forward ({CONTEXT} cached tokens, median ms of 55 steps, alternating step by step)", "",
              f"| new tokens | {names[0]}, ms | {names[1]}, ms | speed-up |", "|---|---|---|---|"]
     ids = torch.randint(100, 20000, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
@@ -103,7 +100,7 @@ def batches(models: dict, tok, rows, sizes: list[int], max_new_tokens: int, out:
     lines = ["# fp32 linears on MKL's packed SGEMM against oneDNN's packed product: batches", "",
              f"{cpu_name()}, 2 threads, fp32, shipped heads, {len(texts)} prompts, {max_new_tokens} new tokens, greedy, "
              "left-padded batches, both builds in one process, the arms alternating per batch "
-             "(`python experiments/fp32_kernel_ab.py --batch-sizes ...`).", "",
+             "(`python -m experiments.fp32_kernel_ab --batch-sizes ...`).", "",
              "| batch | arm | tokens/s | rows differing from its build's `generate` |", "|---|---|---|---|"]
     def call(arm: tuple[str, str], enc):
         m = models[arm[0]]

@@ -1,22 +1,24 @@
 #!/usr/bin/env python
-# Usage: python experiments/gqa_ab.py PROMPTS.jsonl [...]   (results/ab/gqa_ab.txt)
+# Usage: python -m experiments.gqa_ab PROMPTS.jsonl [...]   (results/ab/gqa_ab.txt)
 """A/B in one process: transformers' SDPA with and without enable_gqa under a mask (TRANSFORMERS_SDPA_FORCE_GQA),
 for plain generate and for medusa; contenders alternate per prompt."""
 
 import json
 import os
-import sys
 import torch
 from transformers import AutoTokenizer
 from medusa_heads import MedusaModel, default_model_path, prompt_ids
 from medusa_heads.calibration.timing import run_round
+from scripts.common import parser
 
+p = parser(__doc__)
+p.add_argument("files", nargs="*", metavar="PROMPTS.jsonl", help="JSONL prompt files")
+files = p.parse_args().files
 torch.set_num_threads(2)
 path = default_model_path()
 tok = AutoTokenizer.from_pretrained(path)
 model = MedusaModel.from_pretrained(path)
 base = model.base_model
-files = sys.argv[1:]
 rows = []
 for f in files:
     rows += [json.loads(line) for line in open(f)]

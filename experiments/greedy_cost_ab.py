@@ -2,20 +2,16 @@
 against the full verify's table, alternating per prompt (which goes first alternates too), the shipped heads and
 per-step tree; the screen runs in both (only the trees' sizing differs).
 
-    python experiments/greedy_cost_ab.py --prompts data/bench_prompts.jsonl --no-prepack --out FILE
+    python -m experiments.greedy_cost_ab --prompts data/bench_prompts.jsonl --no-prepack --out FILE
 """
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from common import emit, greedy_pass  # noqa: E402
-
-from ab_loop import settings_ab  # noqa: E402  (experiments/ is the script's folder)
+from experiments.ab_loop import settings_ab
+from scripts.common import emit, greedy_pass
 
 
 def main() -> None:

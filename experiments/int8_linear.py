@@ -3,7 +3,7 @@ alone (both levels of the rows already quantised: twice the rows), and the whole
 two levels, then scaled back; under inference mode, so no call reuses a sibling's levels). Microseconds a call,
 median of 5 rounds of 200 calls, 2 threads, one process, the contenders alternating.
 
-    python experiments/int8_linear.py > results/int8/linear.md
+    python -m experiments.int8_linear > results/int8/linear.md
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(2)
     print(f"# An int8 linear against a bf16 one\n\n{cpu_name()}, 2 threads, torch {torch.__version__}; "
           "microseconds a call, median of 5 rounds; the int8 GEMM takes both levels of the rows, twice the rows "
-          "(`python experiments/int8_linear.py`).\n")
+          "(`python -m experiments.int8_linear`).\n")
     print("| linear | rows | bf16, oneDNN packed | int8 GEMM alone | Int8Linear (quantise both levels, GEMM, scale) |")
     print("|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 conversations of data/distilled.jsonl.gz, up to 512 tokens each), at every answer token, the share of positions
 whose top token is fp32's, and the mean KL divergence KL(fp32 || X) of the next-token distributions.
 
-    python experiments/int8_quality.py > results/int8/quality.md
+    python -m experiments.int8_quality > results/int8/quality.md
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def main() -> None:
             positions += at.numel()
     print(f"# bf16 and int8 against fp32\n\n{cpu_name()}, SmolLM2-135M-Instruct, {CONVERSATIONS} conversations of "
           f"`data/distilled.jsonl.gz` teacher-forced, {positions} answer positions "
-          "(`python experiments/int8_quality.py`).\n")
+          "(`python -m experiments.int8_quality`).\n")
     print("| target | top token = fp32's | mean KL(fp32 ‖ it), nats |\n|---|---|---|")
     for name, (agree, kl) in stats.items():
         print(f"| {name} | {agree / positions:.4f} | {kl / positions:.5f} |")

@@ -2,11 +2,10 @@
 machine's, timed at first use (calibration/machine.py): one process, the same base, the two alternating per prompt
 with transformers' `generate` as the yardstick; greedy, so every output must equal `generate`'s.
 
-    python experiments/machine_cost_ab.py [--prompts data/bench_prompts.jsonl] [--max-new-tokens 128] [--dtype bf16]
+    python -m experiments.machine_cost_ab [--prompts data/bench_prompts.jsonl] [--max-new-tokens 128] [--dtype bf16]
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -18,16 +17,13 @@ from medusa_heads.calibration import machine
 from medusa_heads.cli.commands import _read_prompts
 from medusa_heads.prompting import prompt_ids
 
-from ab_loop import alternate  # noqa: E402  (experiments/ is the script's folder)
+from experiments.ab_loop import alternate
+from scripts.common import parser
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", default="data/bench_prompts.jsonl")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = parser(__doc__.split("\n\n")[0], "prompts", "max_new_tokens", "threads", out="results/ab/machine_cost_ab.md")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: with the row-exact attention")
-    ap.add_argument("--out", default="results/ab/machine_cost_ab.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ[machine.ENV] = "off"
@@ -64,7 +60,7 @@ def main() -> None:
     lines = ["# Trees sized by the stored cost tables against this machine's", "",
              f"{machine.cpu_name()}, {args.threads} threads, {args.dtype} prepacked{' (row-exact attention)' if args.dtype == 'bf16' else ''}, shipped heads, {len(rows)} prompts of "
              f"`{args.prompts}`, {args.max_new_tokens} new tokens, greedy; this machine's tables ({local.cost_model_key()}) "
-             f"in {first_use:.1f} s, the heads' load included (`python experiments/machine_cost_ab.py`).", "",
+             f"in {first_use:.1f} s, the heads' load included (`python -m experiments.machine_cost_ab`).", "",
              "| trees sized by | tokens/s | speed-up vs generate | outputs differing from generate |", "|---|---|---|---|"]
     for name in methods:
         lines.append(f"| {name} | {tps[name]:.1f} | {tps[name] / tps['hf']:.2f} | {differ[name]} |")

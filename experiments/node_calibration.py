@@ -3,7 +3,7 @@
 or prompt lookup by how it met the heads' candidates), greedy: every kept node whose parent was accepted is one
 trial of its conditional rate (the rate its worth was built from, the call's online correction included).
 
-    python experiments/node_calibration.py --prompts data/bench_prompts.jsonl --limit 12 --out results/x/nodes.md
+    python -m experiments.node_calibration --prompts data/bench_prompts.jsonl --limit 12 --out results/x/nodes.md
 
 Prints the table and writes it as Markdown to --out. A source whose rates sit above what it was accepted at makes
 trees larger than they are worth."""
@@ -14,14 +14,9 @@ from collections import defaultdict
 import torch
 from tqdm import tqdm
 
-import sys
-from pathlib import Path
-
 from medusa_heads import prompt_ids
 from medusa_heads.inference.adaptive import DraftObserver
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from common import emit, greedy_pass  # noqa: E402  scripts/common.py
+from scripts.common import emit, greedy_pass
 
 EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0001)
 KINDS = {0: "lookup below no drafted child", -1: "lookup against the heads", -2: "lookup = a head's"}

@@ -5,11 +5,10 @@ products past the rows where oneDNN's bf16 kernel changes a row's bits costs, an
 output leaves generate's). Each build's heads are compared with `generate` on that build's kernels: the split also
 changes the bits of a prefill of more rows than the cap, so `generate` is timed, and read, on both.
 
-    python experiments/row_cap_ab.py --batch-sizes 4,8 --limit 16 --out results/ab/row_cap_ab.md
+    python -m experiments.row_cap_ab --batch-sizes 4,8 --limit 16 --out results/ab/row_cap_ab.md
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from functools import partial
@@ -24,9 +23,7 @@ from medusa_heads.calibration.timing import alternate
 from medusa_heads.machine import cpu_name
 from medusa_heads.kernels.exactness import _products
 from medusa_heads.prompting import eos_ids, prompt_text, user_turn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from common import emit  # noqa: E402  scripts/common.py
+from scripts.common import emit, parser
 
 
 def answer(row: torch.Tensor, start: int, eos: set[int]) -> list[int]:
@@ -36,13 +33,9 @@ def answer(row: torch.Tensor, start: int, eos: set[int]) -> list[int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", default="data/bench_prompts.jsonl")
-    ap.add_argument("--limit", type=int, default=16)
+    ap = parser(__doc__.split("\n\n")[0], "prompts", "max_new_tokens", "threads", limit=16,
+                out="results/ab/row_cap_ab.md")
     ap.add_argument("--batch-sizes", default="4,8")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="results/ab/row_cap_ab.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = MedusaModel.from_pretrained(dtype=torch.bfloat16)
@@ -91,7 +84,7 @@ def main() -> None:
     lines = ["# bf16 batches with and without the row cap", "",
              f"{cpu_name()}, {args.threads} threads, SmolLM2-135M-Instruct in bf16 with the row-exact attention and "
              f"the shipped heads, {len(texts)} bench prompts, {args.max_new_tokens} new tokens, greedy, arms "
-             "alternating per batch in one process (`python experiments/row_cap_ab.py`). Capped: each bf16 product "
+             "alternating per batch in one process (`python -m experiments.row_cap_ab`). Capped: each bf16 product "
              "split at the rows found by `cap_rows` (" + ", ".join(sorted({str(c) for c in caps.values()})) +
              " here, the build); uncapped: the build before.", "",
              "| rows | `generate`, capped | heads, capped | `generate`, uncapped | heads, uncapped | heads: capped / "

@@ -1,20 +1,15 @@
 """One process, the greedy verify's argmax through the LM head's bf16 screen (medusa_heads/kernels/screen.py) against the full
 fp32 LM head, alternating per prompt (which goes first alternates too), the shipped heads and per-step tree.
 
-    python experiments/screen_ab.py --prompts data/bench_prompts.jsonl data/bench_prompts_fresh.jsonl \
+    python -m experiments.screen_ab --prompts data/bench_prompts.jsonl data/bench_prompts_fresh.jsonl \
         data/bench_prompts_new.jsonl --out results/ab/screen_ab.md
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from common import emit, greedy_pass  # noqa: E402
-
-from ab_loop import settings_ab  # noqa: E402  (experiments/ is the script's folder)
+from experiments.ab_loop import settings_ab
+from scripts.common import emit, greedy_pass
 
 
 def main() -> None:

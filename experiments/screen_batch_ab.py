@@ -1,7 +1,6 @@
 """One process, batches of the 16 first bench prompts, greedy, 128 new tokens: the LM head's screen on and off, and
-transformers' batched generate, alternating. Run from the repository's root: python experiments/screen_batch_ab.py 2,4,8"""
+transformers' batched generate, alternating. Run from the repository's root: python -m experiments.screen_batch_ab 2,4,8"""
 
-import sys
 from functools import partial
 
 import torch
@@ -10,6 +9,7 @@ from medusa_heads.calibration.timing import alternate
 from medusa_heads.loading import load_tokenizer
 from medusa_heads.corpus import read_prompts
 from medusa_heads.prompting import prompt_text
+from scripts.common import parser
 
 
 def call(k, enc):  # m: the model, loaded below
@@ -24,12 +24,15 @@ def switch(k):
 
 
 if __name__ == "__main__":
+    p = parser(__doc__)
+    p.add_argument("batch_sizes", help="comma-separated, e.g. 2,4,8")
+    args = p.parse_args()
     torch.set_num_threads(2)
     m = MedusaModel.from_pretrained("smollm2-135m-instruct")
     tok = load_tokenizer("smollm2-135m-instruct")
     tok.padding_side = "left"
     rows = read_prompts("data/bench_prompts.jsonl")[:16]
-    for B in map(int, sys.argv[1].split(",")):
+    for B in map(int, args.batch_sizes.split(",")):
         encs = [
             tok(
                 [prompt_text(tok, [{"role": "user", "content": r.turns[0]}]) for r in rows[i : i + B]],

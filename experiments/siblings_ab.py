@@ -2,11 +2,10 @@
 against each linear's own product, two copies of the model in one process, alternating per prompt, greedy; each
 build's own `generate` as its yardstick, and each build's outputs compared with it.
 
-    python experiments/siblings_ab.py --dtype {fp32,bf16,int8} [--prompts data/bench_prompts.jsonl]
+    python -m experiments.siblings_ab --dtype {fp32,bf16,int8} [--prompts data/bench_prompts.jsonl]
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -16,7 +15,8 @@ from medusa_heads.machine import cpu_name
 from medusa_heads.cli.commands import _read_prompts
 from medusa_heads.kernels import int8, prepack
 
-from ab_loop import builds_ab  # noqa: E402  (experiments/ is the script's folder)
+from experiments.ab_loop import builds_ab
+from scripts.common import Option, parser
 
 LOAD = {"fp32": {}, "bf16": {"dtype": torch.bfloat16}, "int8": {"quantize": "int8"}}
 
@@ -32,11 +32,9 @@ def load(dtype: str, siblings: bool) -> MedusaModel:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__.split("\n\n")[0], "prompts", "max_new_tokens",
+                out=Option(None, "default results/ab/siblings_ab_<dtype>.md"))
     ap.add_argument("--dtype", choices=list(LOAD), required=True)
-    ap.add_argument("--prompts", default="data/bench_prompts.jsonl")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", default=None, help="default results/ab/siblings_ab_<dtype>.md")
     args = ap.parse_args()
     torch.set_num_threads(2)
     from transformers import AutoTokenizer
@@ -49,7 +47,7 @@ def main() -> None:
     lines = [f"# Sibling linears as one product against their own products ({args.dtype})", "",
              f"{cpu_name()}, 2 threads, {args.dtype}, shipped heads, {len(rows)} prompts of `{args.prompts}`, "
              f"{args.max_new_tokens} new tokens, greedy, alternating per prompt in one process "
-             f"(`python experiments/siblings_ab.py --dtype {args.dtype}`).", "",
+             f"(`python -m experiments.siblings_ab --dtype {args.dtype}`).", "",
              "| linears | method | tokens/s | × generate with own products | outputs differing from that build's generate |",
              "|---|---|---|---|---|"]
     for arm in tps:

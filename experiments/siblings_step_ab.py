@@ -2,11 +2,10 @@
 tokens (1: a plain step; more: a verify), 300 cached tokens, two copies of the model in one process, alternating
 step by step; the median of 55 steps after 5 warm-ups. Companion of `siblings_ab.py`, which times whole calls.
 
-    python experiments/siblings_step_ab.py [--dtypes fp32,bf16,int8] [--tokens 1,4,8,12]
+    python -m experiments.siblings_step_ab [--dtypes fp32,bf16,int8] [--tokens 1,4,8,12]
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from medusa_heads.machine import cpu_name
 from medusa_heads.engines.hf_cache import crop_to, new_cache
 from medusa_heads.engines.hf import target_cache_kw
 
-from siblings_ab import load  # noqa: E402  (experiments/ is the script's folder)
+from experiments.siblings_ab import load
+from scripts.common import parser
 
 CONTEXT = 300
 
@@ -38,16 +38,15 @@ def step_of(base, tokens: int, ids: torch.Tensor):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__.split("\n\n")[0], out="results/ab/siblings_step_ab.md")
     ap.add_argument("--dtypes", default="fp32,bf16,int8")
     ap.add_argument("--tokens", default="1,4,8,12")
-    ap.add_argument("--out", default="results/ab/siblings_step_ab.md")
     args = ap.parse_args()
     torch.set_num_threads(2)
     ids = torch.randint(100, 20000, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
     lines = ["# One forward: sibling linears as one product against their own products", "",
              f"{cpu_name()}, 2 threads, SmolLM2-135M-Instruct, {CONTEXT} cached tokens, median ms of 55 steps, "
-             "the two builds alternating step by step in one process (`python experiments/siblings_step_ab.py`).", "",
+             "the two builds alternating step by step in one process (`python -m experiments.siblings_step_ab`).", "",
              "| dtype | new tokens | own products, ms | siblings as one product, ms | speed-up |", "|---|---|---|---|---|"]
     for dtype in args.dtypes.split(","):
         bases = {s: load(dtype, s).base_model for s in (False, True)}

@@ -6,16 +6,13 @@ read bandwidth (a 1 GiB tensor summed, best of 5). The profile: torch.profiler o
 300-token context, the self time of every op grouped (linear products, attention, the rest of ATen), and what is
 left of the wall time outside ATen (Python, module calls, dispatch). Writes results/profile/step_profile.md.
 
-    python experiments/step_profile.py [--threads 2] [--steps 32] [--tree-tokens 6]
+    python -m experiments.step_profile [--threads 2] [--steps 32] [--tree-tokens 6]
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
@@ -24,9 +21,7 @@ from medusa_heads.machine import cpu_name
 from medusa_heads.engines.hf_cache import crop_to, new_cache
 from medusa_heads.kernels.prepack import PackedLinear
 from medusa_heads.engines.hf import target_cache_kw
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from common import emit  # noqa: E402  scripts/common.py
+from scripts.common import emit, parser
 
 GROUPS = [("linear (weights)", ("linear", "addmm", "mm", "matmul", "bmm")),
           ("attention", ("scaled_dot_product", "attention", "softmax")),
@@ -98,12 +93,10 @@ def profile(step, steps: int) -> tuple[float, dict[str, float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
+    ap = parser(__doc__.split("\n\n")[0], "threads", out="results/profile/step_profile.md")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--tree-tokens", type=int, default=6)
-    ap.add_argument("--out", default="results/profile/step_profile.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = MedusaModel.from_pretrained()  # the embedded model, shipped heads, prepacked as generate runs it
@@ -135,7 +128,7 @@ def main() -> None:
     kernel = next(m.kernel for m in base.modules() if isinstance(m, PackedLinear))
     lines = ["# Where a step's time goes", "",
              f"{cpu_name()}, {args.threads} threads, fp32, prepacked linears ({kernel}), SmolLM2-135M-Instruct, "
-             f"{args.context} cached tokens; median of {args.steps} steps each (`python experiments/step_profile.py`).",
+             f"{args.context} cached tokens; median of {args.steps} steps each (`python -m experiments.step_profile`).",
              "", f"Weights read per step: {nbytes / 2**20:.0f} MiB; read bandwidth here {bw:.1f} GB/s (a 1 GiB sum, "
              f"best of 5): **floor {floor_ms:.1f} ms a step**.", "",
              "| step | wall ms | × floor | " + " | ".join(groups) + " |", "|---|---|---|" + "---|" * len(groups)]

@@ -3,7 +3,7 @@
 continuation (known once the answer is done) is matched against the kept tree and against every candidate the
 drafter scored (heads and lookup, before the selection).
 
-    python experiments/tree_headroom.py --prompts data/bench_prompts.jsonl --limit 12 --out results/x/headroom.md
+    python -m experiments.tree_headroom --prompts data/bench_prompts.jsonl --limit 12 --out results/x/headroom.md
 
 Per step: kept = the accepted length (drafted tokens the target took); candidates = the longest prefix of the
 target's continuation that is a path among the candidates; at the kept size = the same, at most the kept tree's
@@ -15,14 +15,9 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-import sys
-from pathlib import Path
-
 from medusa_heads import prompt_ids
 from medusa_heads.inference.adaptive import DraftObserver
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from common import emit, greedy_pass  # noqa: E402  scripts/common.py
+from scripts.common import emit, greedy_pass
 
 
 class Headroom(DraftObserver):

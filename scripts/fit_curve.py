@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a `fit` budget buys: fresh heads at each budget, then all of them beside the shipped heads in one process.
 
-    python scripts/fit_curve.py --budgets 6m 30m 1h 2h
+    python -m scripts.fit_curve --budgets 6m 30m 1h 2h
 
 For each budget B it runs `medusa-heads fit --budget B --out runs/fit-B` (skipped where runs/fit-B holds a finished
 fit; a run that was stopped continues), one after another and nothing else beside them: their budgets are wall
@@ -12,12 +12,13 @@ clock, what it bought, its own bench, and its speed-up in the A/B as a share of 
 generate."""
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from scripts.common import parser
 
 SHIPPED = "medusa_heads/default_heads"
 
@@ -29,12 +30,9 @@ def seconds(budget: str) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "model", prompts=["data/bench_prompts.jsonl"], out="results/fit")
     p.add_argument("--budgets", nargs="+", default=["6m", "30m", "1h", "2h"])
-    p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--runs", default="runs", help="the fits go to RUNS/fit-<budget>")
-    p.add_argument("--prompts", nargs="+", default=["data/bench_prompts.jsonl"])
-    p.add_argument("--out", default="results/fit")
     p.add_argument("--skip-ab", action="store_true", help="only the fits (the A/B of an earlier run stays)")
     args = p.parse_args()
     for b in args.budgets:
@@ -53,7 +51,7 @@ def main() -> None:
         for name in ("report.md", "report.json", "train_log.jsonl", "train_plot.png"):
             shutil.copy(runs[b] / name, out / b / name)
     if not args.skip_ab:
-        subprocess.run([sys.executable, "scripts/heads_ab.py", "--model", args.model, "--heads", SHIPPED,
+        subprocess.run([sys.executable, "-m", "scripts.heads_ab", "--model", args.model, "--heads", SHIPPED,
                         *map(str, runs.values()), "--prompts", *args.prompts, "--out", str(out / "ab.md"),
                         "--json", str(out / "ab.json")], check=True)
     ab = json.loads((out / "ab.json").read_text())["heads"]
@@ -67,7 +65,7 @@ def main() -> None:
                      "share_of_gain": (a["speedup"] - 1) / (shipped["speedup"] - 1) if a else None})
     (out / "curve.json").write_text(json.dumps({"model": args.model, "shipped": shipped, "budgets": rows}, indent=1) + "\n")
     md = [f"# What a `fit` budget buys: {args.model}", "",
-          f"`python scripts/fit_curve.py --budgets {' '.join(args.budgets)}`. Speed-up and τ from one A/B "
+          f"`python -m scripts.fit_curve --budgets {' '.join(args.budgets)}`. Speed-up and τ from one A/B "
           f"(`ab.md`: {shipped['prompts']} prompts of {', '.join(args.prompts)}, 128 new tokens, greedy); the shipped "
           f"heads there: **{shipped['speedup']:.2f}×**, τ {shipped['tau']:.2f}.", "",
           "| budget | wall clock | answers (greedy + sampled) | answer tokens | steps | held-out top-1, head 1 | "

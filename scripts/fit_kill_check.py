@@ -2,7 +2,7 @@
 """`medusa-heads fit` killed with SIGKILL inside each phase in turn, rerun after each kill, against one run that was
 not killed (same model, seed and caps): are the answers, the heads and their evaluations the same?
 
-    python scripts/fit_kill_check.py --out runs/killcheck --json results/fit/kill_check.json
+    python -m scripts.fit_kill_check --out runs/killcheck --json results/fit/kill_check.json
 
 The kill comes from the command itself (MEDUSA_HEADS_KILL_AT=phase: after distill's first batch, train's first
 checkpoint, calibrate's files, the bench), so it lands at the same point every time. --max-answers and --max-steps
@@ -10,7 +10,6 @@ cap what the budget buys so that both runs train on the same answers for the sam
 the calibrated kernel costs are timings, so they are not compared."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -20,17 +19,17 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.common import Option, parser
+
 PHASES = ("distill", "train", "calibrate", "bench")
 SAME = ("heads.safetensors", "distilled.jsonl", "distilled_t07.jsonl")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = parser(__doc__, "model", out=Option("runs/killcheck", "folder for the two runs (replaced)"))
     p.add_argument("--budget", default="8m")
     p.add_argument("--max-answers", type=int, default=32)
     p.add_argument("--max-steps", type=int, default=40)
-    p.add_argument("--out", default="runs/killcheck", help="folder for the two runs (replaced)")
     p.add_argument("--json", default="results/fit/kill_check.json")
     args = p.parse_args()
     out = Path(args.out)

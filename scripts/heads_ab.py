@@ -2,20 +2,19 @@
 """Two or more sets of heads on one target in one process: each against transformers' generate, all alternating
 per prompt (the order rotates), greedy (or sampled: --sample), with the configured tree of each (the per-step tree for calibrated heads).
 
-    python scripts/heads_ab.py --heads medusa_heads/default_heads runs/smollm2-135m-heads-more \
+    python -m scripts.heads_ab --heads medusa_heads/default_heads runs/smollm2-135m-heads-more \
         --prompts data/bench_prompts.jsonl data/bench_prompts_new.jsonl --out results/heads/ab.md
 
 With --batch-hints (one per heads directory) each set of heads runs on its own copy of the target, prepacked for
 that many rows, against generate on that same copy; "B / A" then compares the two kernels' tokens/s too:
 
-    python scripts/heads_ab.py --heads medusa_heads/default_heads runs/heads-h16 --batch-hints 8 16 \
+    python -m scripts.heads_ab --heads medusa_heads/default_heads runs/heads-h16 --batch-hints 8 16 \
         --prompts data/bench_prompts.jsonl --out results/kernels/ab.md
 
 Prints, per category, per prompt file ("<file>: all") and overall, tokens/s of each as a ratio to generate and to the first heads (A), tau, and how
 many outputs equal generate's; writes the same table as Markdown to --out."""
 from __future__ import annotations
 
-import argparse
 import json
 from collections import defaultdict
 from functools import partial
@@ -30,16 +29,13 @@ from medusa_heads.cli.commands import DTYPES
 from medusa_heads.kernels.prepack import prepack_linears
 from medusa_heads.loading import load_base, load_tokenizer
 from medusa_heads.corpus import read_prompts
-from common import emit  # scripts/common.py: this script's folder is on the path
+from scripts.common import REQUIRED, Option, emit, parser
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "model", "max_new_tokens", "threads", prompts=REQUIRED,
+               out=Option(None, "Markdown file for the table"))
     p.add_argument("--heads", nargs="+", required=True, help="two or more heads directories (the first is A)")
-    p.add_argument("--prompts", nargs="+", required=True, help="JSONL prompt files (first turn of each row)")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sample", action="store_true",
                    help="sample at T 0.7, top-p 0.9 (each contender seeded alike per prompt) instead of greedy")
     p.add_argument("--no-prepack", action="store_true",
@@ -50,7 +46,6 @@ def main() -> None:
     p.add_argument("--batch-hints", nargs="+", type=int, default=None,
                    help="one per heads directory: each runs on a copy of the target prepacked for that many rows, "
                         "against generate on that copy (the heads' cost model should be measured there)")
-    p.add_argument("--out", default=None, help="Markdown file for the table")
     p.add_argument("--json", default=None, help="JSON file for the overall row: each heads' speed-up, tau, identical")
     args = p.parse_args()
     if len(args.heads) < 2 or len(set(args.heads)) < len(args.heads):

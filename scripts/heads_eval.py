@@ -2,14 +2,13 @@
 """Held-out accuracy of several heads on one and the same split: top-1 / top-5 / CE per head (heads 2-4 given the
 right path above them), each answer set apart (the greedy answers, the sampled variants) and together.
 
-    python scripts/heads_eval.py --heads runs/smollm2-135m-heads runs/smollm2-135m-heads-more \
+    python -m scripts.heads_eval --heads runs/smollm2-135m-heads runs/smollm2-135m-heads-more \
         --data data/distilled_head.jsonl data/distilled_t07.jsonl --features data/features
 
 The split is the heads' recipe's (a hash of the prompt id, eval_fraction of them); answers without features are
 counted and left out."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -19,15 +18,14 @@ from medusa_heads.loading import load_base
 from medusa_heads.corpus import is_eval, read_conversations
 from medusa_heads.shards import load_segments
 from medusa_heads.training.loop import build_split, draft_index, evaluate
+from scripts.common import Option, parser
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "model", out=Option(None, "JSON file for the figures"))
     p.add_argument("--heads", nargs="+", required=True)
     p.add_argument("--data", nargs="+", required=True, help="distilled conversation files, each reported apart")
     p.add_argument("--features", default="data/features")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--out", default=None, help="JSON file for the figures")
     p.add_argument("--by-turn", action="store_true",
                    help="also report each file's answers by turn (multi-turn conversations: turn 1, turn 2, ...)")
     args = p.parse_args()

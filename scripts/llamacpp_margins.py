@@ -2,11 +2,10 @@
 its token there (engines.llamacpp.divergence_margin): for each prompt and weight type, the first differing token's
 index and the plain step's logit margin, next to the step's top-two gap and logit scale. Greedy, 128 new tokens.
 
-    .venv/bin/python scripts/llamacpp_margins.py --weights q8_0 q4_k_m   # writes results/llamacpp/margins/
+    .venv/bin/python -m scripts.llamacpp_margins --weights q8_0 q4_k_m   # writes results/llamacpp/margins/
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,15 +18,12 @@ from medusa_heads.cli.commands import _read_prompts
 from medusa_heads.engines.llamacpp import divergence_margin
 from medusa_heads.loading import load_tokenizer
 from medusa_heads.machine import cpu_name, isa
+from scripts.common import parser
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "prompts", "max_new_tokens", "threads", out="results/llamacpp/margins")
     p.add_argument("--weights", nargs="+", default=["q8_0", "q4_k_m"], choices=llamacpp.WEIGHTS)
-    p.add_argument("--prompts", default="data/bench_prompts.jsonl")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="results/llamacpp/margins")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     path = default_model_path()
@@ -53,7 +49,7 @@ def write(out: Path, found: list[dict], args) -> None:
     (out / "results.json").write_text(json.dumps({"cpu": cpu_name(), "isa": isa(), "settings": vars(args),
                                                   "prompts": found}, indent=1) + "\n")
     lines = [f"# Where the heads on llama.cpp leave its plain greedy decoding ({cpu_name()}, {isa()})", "",
-             f"`{' '.join(sys.argv)}`: {args.prompts}, {args.max_new_tokens} new tokens, greedy, {args.threads} threads. "
+             f"`python -m scripts.llamacpp_margins {' '.join(sys.argv[1:])}`: {args.prompts}, {args.max_new_tokens} new tokens, greedy, {args.threads} threads. "
              "Margin: the plain step's logit of plain decoding's token minus that of the heads' token, at the first "
              "token where they differ (teacher-forced one-token steps along plain decoding's output).", "",
              "| weights | outputs differing | largest margin | median margin | median logit scale (std) |", "|---|---|---|---|---|"]

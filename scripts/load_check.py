@@ -2,12 +2,11 @@
 sequential one, no call may fail. The same load through transformers' generate on the same model gives the
 throughput and peak-RSS baseline.
 
-    python scripts/load_check.py [--threads 1,4,8,16] [--requests 200] [--max-new-tokens 32] [--out results/load]
+    python -m scripts.load_check [--threads 1,4,8,16] [--requests 200] [--max-new-tokens 32] [--out results/load]
 
 Resumable: each (method, threads) row is written to OUT/load.json as it finishes, and a rerun skips it."""
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ from transformers import AutoTokenizer
 from medusa_heads import MedusaModel, default_model_path
 from medusa_heads.prompting import prompt_ids
 from medusa_heads.corpus import read_prompts
+from scripts.common import parser
 
 
 def peak_rss_mb() -> float:
@@ -34,13 +34,10 @@ def reset_peak_rss() -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", default="data/bench_prompts.jsonl")
+    p = parser(__doc__.split("\n\n")[0], "prompts", max_new_tokens=32, out="results/load")
     p.add_argument("--threads", default="1,4,8,16")
     p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--torch-threads", type=int, default=2)
-    p.add_argument("--out", default="results/load")
     args = p.parse_args()
     torch.set_num_threads(args.torch_threads)
     out = Path(args.out)

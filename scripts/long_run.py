@@ -1,12 +1,11 @@
 """2,000 greedy tokens on the default model: Medusa equals base.generate; time and peak RSS of each, in its own process.
 
-    python scripts/long_run.py hf OUT.safetensors ; python scripts/long_run.py medusa OUT.safetensors
+    python -m scripts.long_run hf OUT.safetensors ; python -m scripts.long_run medusa OUT.safetensors
     (then compare the two files)
 """
 from __future__ import annotations
 
 import resource
-import sys
 import time
 
 import torch
@@ -15,11 +14,16 @@ from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path
 from medusa_heads.prompting import prompt_ids
+from scripts.common import parser
 
 PROMPT = "Write a very long story about a lighthouse keeper and the sea, with many chapters."
 
 if __name__ == "__main__":
-    method, out = sys.argv[1], sys.argv[2]
+    p = parser(__doc__)
+    p.add_argument("method", help="hf: transformers' generate; anything else: the heads")
+    p.add_argument("out", help="safetensors file for the output ids")
+    args = p.parse_args()
+    method, out = args.method, args.out
     torch.set_num_threads(2)
     model = MedusaModel.from_pretrained("smollm2-135m-instruct")  # shipped heads; prepacked kernels for both methods
     ids = prompt_ids(AutoTokenizer.from_pretrained(default_model_path()), PROMPT)

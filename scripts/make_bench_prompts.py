@@ -2,16 +2,16 @@
 
 Held out are (a) rows of the training file in the trainer's evaluation split (a hash of their id, fraction 0.05)
 and (b) GSM8K rows left out by the distillation cap. Run from the repo root:
-    python scripts/make_bench_prompts.py data/train_prompts.jsonl.gz --per-category 3
+    python -m scripts.make_bench_prompts data/train_prompts.jsonl.gz --per-category 3
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 
 from medusa_heads.corpus import read_prompts, subsample
 from medusa_heads.corpus import is_eval
+from scripts.common import parser
 
 CATEGORY = {
     "gsm8k-train": "math", "mbpp-train": "code", "tico19-translation": "translation",
@@ -23,7 +23,7 @@ CATEGORY = {
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = parser()
     p.add_argument("prompts")
     p.add_argument("--per-category", type=int, default=3)
     p.add_argument("--gsm8k-cap", type=int, default=2000, help="the cap the distillation used")

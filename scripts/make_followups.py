@@ -4,7 +4,7 @@ The training prompts are all single-turn, so the heads have never seen how the t
 conversation. Distilled greedily as a variant, each row gives the target's own answer to its prompt (as in
 data/distilled.jsonl) and then its answer to the follow-up:
 
-    python scripts/make_followups.py data/train_prompts.jsonl.gz
+    python -m scripts.make_followups data/train_prompts.jsonl.gz
     medusa-heads distill --prompts data/followup_prompts.jsonl.gz --out data/distilled_fu.jsonl --variant fu \\
         --batch-size 32 --max-new-tokens 256 --features data/features
 
@@ -14,12 +14,12 @@ follow-up of a row is picked by a hash of its id; distill shuffles the rows, so 
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import zlib
 
 from medusa_heads.corpus import read_prompts, subsample
+from scripts.common import parser
 
 FOLLOW_UPS = (
     "Can you explain that in more detail?",
@@ -38,7 +38,7 @@ FOLLOW_UPS = (
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("prompts")
     p.add_argument("--gsm8k-cap", type=int, default=2000, help="the cap the distillation used")
     p.add_argument("--seed", type=int, default=0, help="the seed the distillation used")

@@ -2,19 +2,19 @@
 and multi-document summaries), assembled from passages and abstracts of the training prompts. The heads learn from
 answers only, never from prompt text, and these composite prompts' answers are new to them.
 
-    python scripts/make_long_prompts.py data/train_prompts.jsonl.gz
+    python -m scripts.make_long_prompts data/train_prompts.jsonl.gz
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 
 from medusa_heads.corpus import read_prompts
+from scripts.common import parser
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = parser()
     p.add_argument("prompts")
     p.add_argument("--per-category", type=int, default=3)
     p.add_argument("--passages", type=int, default=6, help="passages (or abstracts) per prompt")

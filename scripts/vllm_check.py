@@ -3,16 +3,17 @@
 `--format vllm-stock` (vLLM's own Medusa, Medusa-1 heads).
 
 Three steps, each in its own interpreter (vLLM lives in .venv-vllm, with transformers < 5.20):
-  .venv/bin/python scripts/vllm_check.py ours --heads DIR --out runs/vllm/ours.json
+  .venv/bin/python -m scripts.vllm_check ours --heads DIR --out runs/vllm/ours.json
       our decoder with the same heads as a top-1 chain: greedy ids and tokens per verify step
-  .venv-vllm/bin/python scripts/vllm_check.py check --export runs/vllm/heads --ours runs/vllm/ours.json
+  .venv-vllm/bin/python -m scripts.vllm_check check --export runs/vllm/heads --ours runs/vllm/ours.json
       vLLM offline with and without the heads: identical greedy ids, drafts inside the draft vocabulary, vLLM's own
       acceptance metrics next to ours; then `vllm serve` with the heads answers one chat request over HTTP
-  .venv-vllm/bin/python scripts/vllm_check.py load --export runs/vllm/heads --stock runs/vllm/stock --max-tokens 64
+  .venv-vllm/bin/python -m scripts.vllm_check load --export runs/vllm/heads --stock runs/vllm/stock --max-tokens 64
       output tokens/s at 1, 4 and 16 concurrent requests without speculation, with the plugin, stock Medusa-1 heads,
       vLLM's ngram and suffix methods (results/vllm/load.md)
 Every step fails with a non-zero exit and one line naming what differed. Offline work stays under __main__ because
-vLLM starts its engine in a spawned process."""
+vLLM starts its engine in a spawned process. Run from the repository's root, which puts the project's own modules on
+the path in .venv-vllm too (it does not install them)."""
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from medusa_heads.calibration.timing import arm_order, timed, timings  # imports torch alone
+from scripts.common import REQUIRED, Option, parser, shared
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))  # the project's own modules in .venv-vllm too, which does not install them (last: never above vLLM's)
-from medusa_heads.calibration.timing import arm_order, timed, timings  # noqa: E402  (imports torch alone)
 
 PROMPTS = ROOT / "data" / "bench_prompts.jsonl"
 # vLLM on this CPU: fp32 (greedy equality), eager, a small KV cache, both cores. vLLM 0.32's own Medusa registers the
@@ -305,9 +307,8 @@ def run_root_cost(args: argparse.Namespace) -> None:
     draft-vocabulary rows), beside the whole draft (every head), both timed alternately in this process (plain torch)."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "vllm_plugin"))
-    from medusa_heads_vllm.heads import DraftHeads
     from safetensors.torch import load_file
+    from vllm_plugin.medusa_heads_vllm.heads import DraftHeads  # the plugin's source (installed in .venv-vllm alone)
 
     torch.set_num_threads(args.threads)
     cfg = json.loads((Path(args.export) / "config.json").read_text())
@@ -360,17 +361,14 @@ def load_table(rows: list[dict], metrics: dict, skipped: dict, concurrency: list
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    o = sub.add_parser("ours")
+    o = shared(sub.add_parser("ours"), out=REQUIRED,
+               threads=Option(2, "torch threads (1 while other work shares the cores)"))
     o.add_argument("--heads", required=True)
-    o.add_argument("--out", required=True)
-    o.add_argument("--threads", type=int, default=2, help="torch threads (1 while other work shares the cores)")
-    rc = sub.add_parser("root-cost")
+    rc = shared(sub.add_parser("root-cost"), "threads", out=str(ROOT / "results" / "vllm" / "root_cost.md"))
     rc.add_argument("--export", required=True)
     rc.add_argument("--repeats", type=int, default=30)
-    rc.add_argument("--threads", type=int, default=2)
-    rc.add_argument("--out", default=str(ROOT / "results" / "vllm" / "root_cost.md"))
     rc.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16])
     for s in (o, sub.add_parser("check"), sub.add_parser("load")):
         s.add_argument("--n", type=int, default=16)

@@ -1,13 +1,12 @@
 """Lossless past a real model's sliding window: a long prompt and a long answer, ours against transformers' generate.
 
-    python scripts/window_check.py --model gemma3-270m --heads runs/fit-gemma3-30m --out results/models/window_check.json
+    python -m scripts.window_check --model gemma3-270m --heads runs/fit-gemma3-30m --out results/models/window_check.json
 
 Two cases on the model's own window (Gemma 3 270M: 512 tokens on 15 of its 18 layers): a prompt of --prompt-tokens
 tokens (default 1,000) with --new-tokens new ones (default 600), and a short prompt whose answer alone crosses the
 window. Greedy, min_new_tokens = the budget (EOS suppressed, as in both generates); writes equality, τ and tokens/s."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -15,18 +14,17 @@ from pathlib import Path
 
 import torch
 
+from scripts.common import parser
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "docs" / "how-it-works.md"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gemma3-270m")
+    ap = parser(__doc__.splitlines()[0], "threads", model="gemma3-270m", out="results/models/window_check.json")
     ap.add_argument("--heads", default=None, help="a heads folder (default: new, untrained heads)")
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--new-tokens", type=int, default=600)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="results/models/window_check.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
