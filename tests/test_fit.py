@@ -241,43 +241,56 @@ def test_a_budget_that_cannot_hold_the_phases_is_refused_before_any_phase(tmp_pa
     assert plan["per_token"] == pytest.approx(0.05, abs=1e-4) and plan["calibrate_s"] == pytest.approx(90, abs=0.2)
 
 
-def test_a_failure_in_any_phase_is_one_line_and_a_rerun_continues(tmp_path, prompts, monkeypatch):
-    """A sliding-window model (a window of 16 tokens, which calibrate's contexts cross); each phase in turn raises:
-    one line naming the phase and the cause, nothing done is lost, the heads load (with their fixed tree when
-    calibrate failed) and decode losslessly, and a rerun continues to the report."""
-    import medusa_heads.training.fit as fit_module
+def test_a_failure_inside_each_phase_is_one_line_and_the_rerun_reuses_the_work_before_it(tmp_path, prompts,
+                                                                                          monkeypatch, capsys):
+    """A sliding-window model (a window of 16 tokens, which calibrate's contexts cross), the command line run in
+    process on a clock of counts; an error raised inside each phase in turn (medusa_heads/faults.py: after distill's
+    first batch of answers, train's first checkpoint, calibrate's files, the bench), each run
+    continuing the last: one line on stderr naming the phase and the cause, no traceback; the work before the failure
+    is on disk and the rerun takes it up (no answer asked twice, training from its checkpoint);
+    heads that failed in calibrate load and decode losslessly with their fixed tree; and the end is byte for byte the
+    heads and answers of a run that never failed."""
     from medusa_heads.cli import main
 
     base = _model(tmp_path / "model", "gemma2", sliding_window=16)
     tick_fit(monkeypatch)
-    out = tmp_path / "heads"
-    argv = ["fit", "--model", str(tmp_path / "model"), "--budget", "5m", "--out", str(out), "--prompts",
-            str(prompts / "train.jsonl"), "--bench-prompts", str(prompts / "bench.jsonl"), "--max-answers", "24",
-            "--max-steps", "8"]
     ids = torch.tensor([[2, 5, 9, 14] * 6])  # 24 tokens: past the window
     ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
-    for phase in ("distill", "train", "calibrate", "bench"):
-        real = getattr(fit_module, f"_{phase}")
 
-        def boom(*args, **kwargs):
-            raise RuntimeError("The size of tensor a (32) must match\nthe size of tensor b (57)")
+    def argv(out):
+        return ["fit", "--model", str(tmp_path / "model"), "--budget", "5m", "--out", str(out), "--prompts",
+                str(prompts / "train.jsonl"), "--bench-prompts", str(prompts / "bench.jsonl"), "--max-answers", "24",
+                "--max-steps", "8", "--threads", "1"]
 
-        monkeypatch.setattr(fit_module, f"_{phase}", boom)
+    main(argv(tmp_path / "whole"))
+    out = tmp_path / "failed"
+    # (the features of answers from a server are computed in a pass of their own, and a failure there is
+    # test_fit_remote's; here they are kept as the answers are generated)
+    for point in ("distill", "train", "calibrate", "bench"):
+        phase = point
+        monkeypatch.setenv("MEDUSA_HEADS_FAIL_AT", point)
+        capsys.readouterr()
         with pytest.raises(SystemExit) as err:
-            main(argv)
-        message = str(err.value.code)
-        assert message.startswith(f"medusa-heads fit: {phase} failed (RuntimeError: The size of tensor a (32) must "
-                                  "match); ") and "\n" not in message and "rerun the same command" in message, message
+            main(argv(out))
+        message, printed = str(err.value.code), capsys.readouterr().err
+        assert message.startswith(f"medusa-heads fit: {phase} failed (InjectedFailure: a failure injected at {point} "
+                                  "(MEDUSA_HEADS_FAIL_AT)); ") and "\n" not in message, message
+        assert "rerun the same command" in message and "Traceback" not in printed, printed[-2000:]
         state = json.loads((out / "fit_state.json").read_text())
-        assert phase not in state["done"] and state["failed"]["phase"] == phase
-        phases = ("distill", "train", "calibrate", "bench")
-        assert all(p in state["done"] for p in phases[: phases.index(phase)])
+        assert state["failed"]["phase"] == phase and phase not in state["done"]
+        written = {"distill": lambda: 0 < len((out / "distilled.jsonl").read_text().splitlines()) < 24,
+                   "train": lambda: (out / "checkpoint").is_dir(),
+                   "calibrate": lambda: "adaptive" in json.loads((out / "config.json").read_text()),
+                   "bench": lambda: (out / "heads.safetensors").is_file()}[point]
+        assert written(), point  # the work done before the failure is on disk
         if phase in ("calibrate", "bench"):
             model = MedusaModel.from_pretrained(base, heads=str(out))
-            assert phase == "bench" or not model.adaptive  # without calibration: the fixed tree
             assert torch.equal(model.generate(ids, max_new_tokens=24), ref)
-        monkeypatch.setattr(fit_module, f"_{phase}", real)
-    main(argv)  # the last phase, then the report
-    report = json.loads((out / "report.json").read_text())
-    assert report["bench"]["differ"] == 0
-    assert "failed" not in json.loads((out / "fit_state.json").read_text())
+    monkeypatch.delenv("MEDUSA_HEADS_FAIL_AT")
+    main(argv(out))
+    state = json.loads((out / "fit_state.json").read_text())
+    assert "failed" not in state and json.loads((out / "report.json").read_text())["bench"]["differ"] == 0
+    whole = json.loads((tmp_path / "whole" / "fit_state.json").read_text())
+    assert all(state["answers"][k] == whole["answers"][k] for k in ("greedy", "sampled", "timed"))
+    for name in ("heads.safetensors", "distilled.jsonl", "distilled_t07.jsonl"):
+        assert (tmp_path / "whole" / name).read_bytes() == (out / name).read_bytes(), name

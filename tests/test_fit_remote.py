@@ -92,10 +92,9 @@ def test_fit_with_a_server_trains_on_its_answers_and_reports_it(target, tmp_path
 def test_kill_9_while_answering_then_an_interruption_in_features_keep_what_was_written(target, tmp_path, prompts,
                                                                                      monkeypatch):
     """The command killed with SIGKILL after an answer of the phase (a subprocess), rerun and interrupted after the
-    first chunk of features, rerun to the end of distill: no answer is asked twice, the killed run's answers are
+    first chunk of features by a failure, rerun to the end of distill: no answer is asked twice, the killed run's answers are
     kept as written, the features written before the interruption are kept and only the rest are computed."""
     import medusa_heads.training.fit as fit_module
-    import medusa_heads.training.loop as loop_module
     from medusa_heads.cli import main
 
     base, tok = target
@@ -119,16 +118,9 @@ def test_kill_9_while_answering_then_an_interruption_in_features_keep_what_was_w
         assert planned == 24  # the cap
         assert state["answers"]["timed_answers"] < len(before) < planned  # the timed batch and an answer after it
 
-        class Interrupted(BaseException):  # as a kill would: nothing caught, nothing more saved
-            pass
-
-        def crash_point(name):
-            if name == "distill-features":
-                raise Interrupted
-
-        monkeypatch.setattr(loop_module, "crash_point", crash_point)
+        monkeypatch.setenv("MEDUSA_HEADS_FAIL_AT", "distill-features")  # a failure after the first chunk
         monkeypatch.setattr(fit_module, "FEATURES_CHUNK", 8)
-        with pytest.raises(Interrupted):
+        with pytest.raises(SystemExit, match="^medusa-heads fit: distill failed \\(InjectedFailure"):
             main(argv)
         answered = _answers(out)
         assert {k: answered[k] for k in before} == before  # kept as written
@@ -137,7 +129,7 @@ def test_kill_9_while_answering_then_an_interruption_in_features_keep_what_was_w
         with_features = feature_ids(out / "features")
         assert len(with_features) < len(answered)
 
-        monkeypatch.setattr(loop_module, "crash_point", lambda name: None)
+        monkeypatch.delenv("MEDUSA_HEADS_FAIL_AT")
         asked_before = engine.requests
         main(argv)
     finally:

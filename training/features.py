@@ -11,6 +11,7 @@ import zlib
 
 import torch
 
+from medusa_heads.faults import crash_point
 from medusa_heads.prompting import conversation_ids, mask_runs
 from medusa_heads.shards import Segment, feature_ids, next_shard_path, write_shard
 
@@ -100,8 +101,10 @@ def features_from_conversations(model, tokenizer, conversations: list[dict], fol
                     segments.append(Segment(s.id, s.hidden.to(torch.bfloat16).cpu(), s.tokens))
             if len(segments) >= per_shard:  # whole conversations a shard: an interruption loses what is not written
                 write_shard(next_shard_path(folder, tag), segments)
+                crash_point("features")
                 segments = []
         bar.update(len(group))
     write_shard(next_shard_path(folder, tag), segments)
+    crash_point("features")
     bar.close()
     return len(todo)

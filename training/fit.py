@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from medusa_heads import loading
-from medusa_heads.training import loop
+from medusa_heads.faults import crash_point
 # The phases' work, looked up here when a phase runs (tests stand in for it)
 from medusa_heads.training.fit_distill import distill_from_source as _distill_remote, distill_here as _distill
 from medusa_heads.training.fit_phases import bench_heads as _bench, calibrate_heads as _calibrate, train_heads as _train
@@ -107,14 +107,14 @@ def _train_phase(run: FitRun) -> dict:
 def _calibrate_phase(run: FitRun) -> dict:
     run.log(f"fit: calibrate, ~{run.state['plan']['calibrate_s'] / 60:.1f} min")
     info = _calibrate(run)
-    loop.crash_point("calibrate")  # calibrated, not yet marked done
+    crash_point("calibrate")  # calibrated, not yet marked done
     return info
 
 
 def _bench_phase(run: FitRun) -> dict:
     run.log(f"fit: bench, ~{min(run.state['plan']['bench_s'], max(run.clock.left(), 0)) / 60:.1f} min")
     info = _bench(run, run.clock.left())
-    loop.crash_point("bench")
+    crash_point("bench")
     return info
 
 

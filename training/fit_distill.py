@@ -11,7 +11,8 @@ from tqdm import tqdm
 from medusa_heads.corpus import PromptRow, as_variant, read_conversations
 from medusa_heads.default_model import DEFAULT_MODEL
 from medusa_heads.shards import feature_ids
-from medusa_heads.training import loop, remote
+from medusa_heads.faults import crash_point
+from medusa_heads.training import remote
 from medusa_heads.training.distill import distill
 from medusa_heads.training.features import features_from_conversations
 from medusa_heads.training.fit_plan import (FEATURES_CHUNK, SAMPLED_VARIANT, SELF_PROMPT_TOKENS, SELF_SHARE, FitRun,
@@ -113,7 +114,7 @@ def _answer_here(run: FitRun, jobs: list[tuple[list[PromptRow], Path, dict]], de
             n = distill(run.base, run.tok, rows[: i + batch], path, **kw, **extra, progress=False)["written"]
             bar.update(n)  # the rows before are done: skipped
             run.save()  # the time spent
-            loop.crash_point("distill")
+            crash_point("distill")
     bar.close()
     return stopped
 
@@ -176,7 +177,7 @@ class RemoteDistill:
             bar.update(len(convs[i : i + self.chunk]))
             self.tick("features_s")
             self.run.save()
-            loop.crash_point("distill-features")
+            crash_point("distill-features")
         bar.close()
         return len(convs)
 
@@ -260,6 +261,6 @@ class RemoteDistill:
             self.tick("answers_s")
             self.run.save()
         if counts is not None:
-            loop.crash_point("distill")  # an answer of the phase written
+            crash_point("distill")  # an answer of the phase written
         written = self.asked_now + (counts["written"] if counts else 0)
         return self.run.now() + self.per_feature * (self.pending + written) > self.deadline

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import shutil
 import time
 from collections import Counter
@@ -22,6 +21,7 @@ from tqdm import tqdm
 
 from medusa_heads.checkpoint import (WEIGHTS_NAME, base_fingerprint, check_fingerprint, follow_umask, load_config,
                                      load_heads, save_heads)
+from medusa_heads.faults import crash_point
 from medusa_heads.heads import MedusaHeads
 from medusa_heads.corpus import check_eval_split, read_conversations
 from medusa_heads.shards import Segment, segment_context
@@ -240,13 +240,6 @@ class Job:
     extra: dict = field(default_factory=dict)  # into the final heads' config, beside the recipe and the final eval
     eval_first: bool = False  # also evaluate before the first step (heads that were trained before)
     finish: Callable[[Path], None] = lambda out: None  # write what else the output holds (an adapter)
-
-
-def crash_point(name: str) -> None:
-    """Fault injection for the kill -9 tests: with MEDUSA_HEADS_KILL_AT=name the process kills itself here, with
-    SIGKILL, as `kill -9` would (no cleanup, no flush)."""
-    if os.environ.get("MEDUSA_HEADS_KILL_AT") == name:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run(recipe: TrainRecipe, resume: bool, setup: Callable[[list[dict], Any, Path, bool], Job],
