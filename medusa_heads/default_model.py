@@ -212,8 +212,10 @@ def check_model_name(name: str | os.PathLike) -> None:
         return
     path = Path(text).expanduser()
     looks_local = text.startswith((os.sep, ".", "~")) or text.count("/") > 1 or bool(os.altsep and os.altsep in text)
-    give = (f"give a model directory saved by transformers (save_pretrained), a hub id, or "
+    give = (f"give a model directory saved by transformers (save_pretrained), a GGUF file, a hub id, or "
             f"{' or '.join(map(repr, EMBEDDED_MODELS))} (embedded)")
+    if path.is_file() and path.suffix == ".gguf":  # transformers dequantises it (loading.load_base)
+        return
     if path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{text}: holds no config.json; {give}")

@@ -25,7 +25,7 @@ LAYERS = [
     ("kernels", ["medusa_heads.kernels"]),
     ("core", ["medusa_heads.tree", "medusa_heads.heads", "medusa_heads.config", "medusa_heads.checkpoint",
               "medusa_heads.corpus", "medusa_heads.prompting", "medusa_heads.shards", "medusa_heads.default_model",
-              "medusa_heads.local_server", "medusa_heads.configs"]),
+              "medusa_heads.local_server", "medusa_heads.configs", "medusa_heads.faults"]),
     ("machine", ["medusa_heads.machine"]),
 ]
 
@@ -120,3 +120,14 @@ def test_the_bottom_layers_never_see_a_model(module):
         if name == module or name.startswith(module + "."):
             text = path.read_text()
             assert "PreTrainedModel" not in text and "medusa_heads.inference" not in text, name
+
+
+def test_every_package_is_installed():
+    """A wheel holds the packages pyproject.toml lists, and only those: every package folder of the library is one
+    (an editable install finds an unlisted one anyway, so only this test sees it missing)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert found == listed, f"packages missing from pyproject.toml: {sorted(found - listed)}; listed, not found: " \
+                            f"{sorted(listed - found)}"

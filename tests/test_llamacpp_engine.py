@@ -207,3 +207,39 @@ def test_the_readmes_llama_cpp_lines_run_as_printed(tmp_path, monkeypatch):
     scope: dict = {}
     exec(compile(example, "README.md", "exec"), scope)
     assert torch.equal(scope["out"][0, scope["ids"].shape[1]:], torch.tensor(scope["plain"]))
+
+
+@pytest.mark.llamacpp
+@built
+def test_fit_on_a_gguf_file_alone_trains_heads_for_it_and_reports_llama_cpps_rows(tiny_gguf, tmp_path, monkeypatch):
+    """A user who has only the GGUF: `fit --model FILE.gguf` (transformers dequantises it to train on), llama.cpp's
+    verify calibrated as a cost table of its own, and the report's rows for the heads on llama.cpp against its plain
+    decoding of that very file; the heads then load onto the file and decode as llama.cpp does."""
+    import json
+
+    from fit_clock import tick_fit
+    from test_fit import write_prompts
+
+    from medusa_heads.cli import main
+
+    folder, tok = tiny_gguf
+    path = tmp_path / "tiny-q8_0.gguf"
+    path.write_bytes(llamacpp.gguf(folder, "q8_0").read_bytes())  # a file of the user's, apart from any folder
+    prompts = write_prompts(tmp_path, seed=1, n=200)
+    tick_fit(monkeypatch)
+    out = tmp_path / "heads"
+    main(["fit", "--model", str(path), "--budget", "5m", "--out", str(out), "--prompts", str(prompts / "train.jsonl"),
+          "--bench-prompts", str(prompts / "bench.jsonl"), "--max-answers", "24", "--max-steps", "8", "--threads", "1",
+          "--force-cost"])
+    report = json.loads((out / "report.json").read_text())
+    ll = report["bench"]["llamacpp"]
+    assert (ll["file"], ll["weights"], ll["prompts"], ll["differ"]) == (str(path), "q8_0", 2, 0), ll
+    assert ll["tau"] >= 1 and ll["tokens_per_s"] > 0 and ll["plain_tokens_per_s"] > 0
+    assert "| on llama.cpp, " in (out / "report.md").read_text()
+    costs = json.loads((out / "config.json").read_text())["adaptive"]["cost"]
+    assert any(k.startswith("llamacpp-q8_0-cpu-") for k in costs), sorted(costs)
+    model = MedusaModel.from_pretrained(str(path), heads=str(out))  # a .gguf base: llama.cpp runs it
+    assert model.engine.kernels().startswith("llamacpp-q8_0-cpu")
+    ids = chat_ids(tok, PROMPTS[0])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, eos_token_id=None)
+    assert out[0, ids.shape[1]:].tolist() == _plain(path, ids, 32)  # (the GGUF's pad token sits in the chat prompt)

@@ -1,15 +1,19 @@
 """fit's train, calibrate and bench phases, each sized by the time the plan left it."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
+from pathlib import Path
 
 import torch
 
 from medusa_heads.bench import run_bench
 from medusa_heads.calibration import Settings, UntrustedTimings, calibrate, held_out_conversations
 from medusa_heads.corpus import read_conversations, read_prompts
+from medusa_heads import llamacpp
 from medusa_heads.heads import MedusaHeads
+from medusa_heads.loading import is_gguf
 from medusa_heads.model import MedusaModel
 from medusa_heads.training.fit_plan import BENCH_TOKENS, MIN_STEPS, FitRun, Now, per_unit
 from medusa_heads.training.loss import medusa_loss
@@ -92,7 +96,32 @@ def calibrate_heads(run: FitRun) -> dict:
             log(f"fit: calibrating {', '.join(parts)}: {e}; trying with less")
     else:
         parts = []  # nothing calibrated: the heads keep their fixed tree
-    return {"held_out": len(held), "parts": parts, "untrusted_timings": problem, "forced": force_cost}
+    info = {"held_out": len(held), "parts": parts, "untrusted_timings": problem, "forced": force_cost}
+    gguf = llamacpp_file(run)
+    if isinstance(gguf, Path):  # a GGUF model: llama.cpp's verify too, so its trees are sized for its step
+        on_llama = MedusaModel.from_pretrained(base, heads=str(out), gguf=gguf)
+        try:
+            calibrate(on_llama, run.tok, out, ["cost"], [], out / "features", settings, force_cost=force_cost, log=log)
+            info["llamacpp_cost"] = on_llama.engine.kernels()
+        except UntrustedTimings as e:
+            log(f"fit: llama.cpp's {e}: its trees keep the fixed tree")
+        finally:
+            on_llama.engine.close()
+    return info
+
+
+def llamacpp_file(run: FitRun) -> Path | str | None:
+    """A GGUF model's file where llama.cpp can run it here; why not (a line) where it cannot; None for a model that
+    is not a GGUF file."""
+    model = run.state["model"]
+    if not is_gguf(model):
+        return None
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama.cpp is not built here (make llamacpp-setup builds it)"
+    weights = llamacpp.file_weights(Path(model))
+    if weights not in llamacpp.WEIGHTS:
+        return f"{weights.upper()} is not among the weights the bench names ({', '.join(llamacpp.WEIGHTS)})"
+    return Path(model)
 
 
 def bench_heads(run: FitRun, seconds: float) -> dict:
@@ -106,7 +135,23 @@ def bench_heads(run: FitRun, seconds: float) -> dict:
     # transformers' prompt lookup beside the heads: the free baseline a user has without training anything
     result = run_bench(model, run.tok, rows[: state["bench_prompts"]], ["hf", "pld", "medusa"], BENCH_TOKENS)
     m, pld = result["overall"]["medusa"], result["overall"]["pld"]
-    return {"prompts": state["bench_prompts"], "tau": m["mean_accepted"], "speedup": m["speedup_vs_hf"],
+    info = {"prompts": state["bench_prompts"], "tau": m["mean_accepted"], "speedup": m["speedup_vs_hf"],
             "differ": m["mismatches_vs_hf"], "file": str(bench_prompts),
             "per_step_tree": model.cost_model() is not None, "pld_speedup": pld["speedup_vs_hf"],
             "pld_tau": pld["mean_accepted"]}
+    gguf = llamacpp_file(run)
+    if gguf is not None:
+        info["llamacpp"] = {"skipped": gguf} if isinstance(gguf, str) else \
+            _bench_on_llamacpp(model, run.tok, rows[: state["bench_prompts"]], gguf)
+    return info
+
+
+def _bench_on_llamacpp(model: MedusaModel, tok, rows: list, gguf: Path) -> dict:
+    """The heads on llama.cpp against llama.cpp's plain decoding of the user's own GGUF file, alternating per prompt."""
+    weights = llamacpp.file_weights(gguf)
+    heads, plain = f"medusa-llamacpp-{weights}", f"llamacpp-{weights}"
+    result = run_bench(model, tok, rows, [heads, plain], BENCH_TOKENS, gguf_files={weights: gguf})["overall"]
+    h, p = result[heads], result[plain]
+    return {"file": str(gguf), "weights": weights, "prompts": len(rows), "tokens_per_s": h["tokens_per_s"],
+            "plain_tokens_per_s": p["tokens_per_s"], "x_plain": h["tokens_per_s"] / p["tokens_per_s"],
+            "tau": h["mean_accepted"], "differ": h["mismatches_vs_plain"]}

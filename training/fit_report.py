@@ -25,7 +25,7 @@ def write_report(state: dict, out: Path) -> dict:
         "steps": d["train"]["steps"], "held_out_top1": d["train"]["top1"], "recipe": state["rules"],
         "calibration": {"untrusted_timings": d["calibrate"]["untrusted_timings"], "forced": d["calibrate"]["forced"]},
         "bench": {k: d["bench"].get(k) for k in ("prompts", "tau", "speedup", "differ", "file", "per_step_tree",
-                                                  "pld_speedup", "pld_tau")},
+                                                  "pld_speedup", "pld_tau", "llamacpp")},
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     b, r = report["bench"], report["recipe"]["recipe"]
@@ -58,6 +58,18 @@ def write_report(state: dict, out: Path) -> dict:
           f"| τ (tokens a forward) | {b['tau']:.2f} |", f"| speed-up over generate | {b['speedup']:.2f}× |",
           *([f"| prompt lookup (transformers, 10 tokens): τ, speed-up | {b['pld_tau']:.2f}, {b['pld_speedup']:.2f}× |"]
             if b["pld_speedup"] is not None else []),
-          f"| outputs that differ from generate | {b['differ']} |", f"| tree used | {tree} |", ""]
+          f"| outputs that differ from generate | {b['differ']} |", f"| tree used | {tree} |",
+          *_llamacpp_rows(b.get("llamacpp")), ""]
     (out / "report.md").write_text("\n".join(md))
     return report
+
+
+def _llamacpp_rows(ll: dict | None) -> list[str]:
+    """A GGUF model's rows: the heads on llama.cpp against its own plain decoding of the same file, or why not."""
+    if ll is None:
+        return []
+    if "skipped" in ll:
+        return [f"| on llama.cpp | not run: {ll['skipped']} |"]
+    return [f"| on llama.cpp, {ll['file']} ({ll['weights'].upper()}) | the heads {ll['tokens_per_s']:.1f} tokens/s "
+            f"against its plain decoding's {ll['plain_tokens_per_s']:.1f}: {ll['x_plain']:.2f}×, τ {ll['tau']:.2f}, "
+            f"{ll['differ']} of {ll['prompts']} outputs differ from it |"]

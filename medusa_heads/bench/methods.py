@@ -113,14 +113,18 @@ class MethodRunner:
             engine.close()
 
 
-def llamacpp_engines(base, tokenizer, methods: list[str], sampling: dict | None, n_tokens: int) -> dict:
-    """The llama.cpp methods' engines, built (once per machine) and loaded before any timing."""
+def llamacpp_engines(base, tokenizer, methods: list[str], sampling: dict | None, n_tokens: int,
+                     files: dict | None = None) -> dict:
+    """The llama.cpp methods' engines, built (once per machine) and loaded before any timing. files: {weights: a
+    GGUF file of the model} to run for those weights (the user's own file), instead of one made from its folder."""
     wanted = [m for m in methods if m in LLAMACPP_METHODS]
     if not wanted:
         return {}
     if sampling is not None:
         raise ValueError("the llama.cpp methods decode greedily: leave out --do-sample or the llamacpp methods")
-    folder = llamacpp.model_folder(base, tokenizer)
+    files = files or {}
+    made = {split_method(m)[0] for m in wanted} - set(files)
+    folder = llamacpp.model_folder(base, tokenizer) if made else None
     threads = torch.get_num_threads()
     n_ctx = 4096 + n_tokens
     eos = eos_ids(getattr(base, "generation_config", None), base.config)
@@ -128,7 +132,7 @@ def llamacpp_engines(base, tokenizer, methods: list[str], sampling: dict | None,
     try:
         for m in wanted:
             weights, mode, heads = split_method(m)
-            path = llamacpp.gguf(folder, weights)
+            path = files[weights] if weights in files else llamacpp.gguf(folder, weights)
             if heads:
                 engines[m] = LlamaCppEngine(path, weights, threads, n_ctx)
             elif mode:

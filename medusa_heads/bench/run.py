@@ -66,13 +66,15 @@ def prompt_name(i: int, row, turn: int | None = None) -> str:
 
 
 def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_new_tokens: int = 128,
-              sampling: dict | None = None, preset: str = DEFAULT_TREE, long_tokens: int = 0) -> dict:
+              sampling: dict | None = None, preset: str = DEFAULT_TREE, long_tokens: int = 0,
+              gguf_files: dict | None = None) -> dict:
     """methods: hf, hf-stock, pld, medusa (as configured: the per-step tree for calibrated heads), medusa-static
     (the heads' fixed tree), medusa-preset (`preset`), medusa:NAME (preset NAME), each medusa method optionally
     with "+pld" / "+pldN" (prompt lookup of N tokens; "+pld0": heads only; default: the heads' lookup_tokens).
-    long_tokens > 0 adds one open-writing prompt of that many new tokens, EOS ignored, timed apart.
+    long_tokens > 0 adds one open-writing prompt of that many new tokens, EOS ignored, timed apart. gguf_files:
+    {weights: GGUF file} the llama.cpp methods of those weights run (default: made from the model's folder).
     Returns {"overall": {method: stats}, "by_category": {cat: {method: stats}}, "by_prompt", "long", "profile"}."""
-    bench = _Bench(model, tokenizer, methods, max_new_tokens, sampling, preset, long_tokens)
+    bench = _Bench(model, tokenizer, methods, max_new_tokens, sampling, preset, long_tokens, gguf_files)
     for i, row in enumerate(tqdm(rows, desc="bench", unit="prompt")):
         bench.conversation(i, row)
     long = bench.long_generation() if long_tokens else {}
@@ -83,14 +85,15 @@ def run_bench(model, tokenizer, rows: list[PromptRow], methods: list[str], max_n
 class _Bench:
     """One bench run: its methods' runner (warmed up), the forward counter, and what the prompts measured."""
 
-    def __init__(self, model, tokenizer, methods, max_new_tokens, sampling, preset, long_tokens) -> None:
+    def __init__(self, model, tokenizer, methods, max_new_tokens, sampling, preset, long_tokens, gguf_files) -> None:
         self.model, self.tokenizer, self.base, self.device = model, tokenizer, model.base_model, model.base_model.device
         self.counter = ForwardCounter(self.base)
         self.methods = check_methods(methods)
         self.max_new_tokens, self.sampling, self.long_tokens = max_new_tokens, sampling, long_tokens
         self.gen = dict(do_sample=False) if sampling is None else dict(do_sample=True, **sampling)
         # the llama.cpp methods' engines, read from the package (where tests stand others in)
-        engines = bench.llamacpp_engines(self.base, tokenizer, self.methods, sampling, max_new_tokens + long_tokens)
+        engines = bench.llamacpp_engines(self.base, tokenizer, self.methods, sampling, max_new_tokens + long_tokens,
+                                         gguf_files)
         self.runner = MethodRunner(model, engines, max_new_tokens, preset)
         warm = prompt_ids(tokenizer, "Hello").to(self.device)
         for m in self.methods:
