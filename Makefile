@@ -62,18 +62,18 @@ test-llamacpp: llamacpp-setup
 
 # The standard benchmark set behind README's results table: each run writes results.md, results.json and
 # speedup.png into its folder of results/ (see that folder's README.md). About 55 minutes on the 2-core CPU, from the
-# token rates those files report; nothing else should run meanwhile. The GPU run is results/gpu/run.sh.
+# token rates those files report; nothing else should run meanwhile. The GPU run is results/transformers/gpu/run.sh.
 MH := $(VENV)/bin/medusa-heads
 BENCH_PROMPTS := data/bench_prompts.jsonl
 UNSEEN_PROMPTS := runs/unseen_prompts.jsonl
 
 bench: setup
-	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,pld,medusa --out results/bench
-	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,pld,medusa --no-prepack --out results/stock
-	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,medusa --do-sample --out results/sample
+	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,pld,medusa --out results/transformers/bench
+	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,pld,medusa --no-prepack --out results/transformers/stock
+	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,medusa --do-sample --out results/transformers/sample
 	mkdir -p runs && cat data/bench_prompts_fresh.jsonl data/bench_prompts_new.jsonl > $(UNSEEN_PROMPTS)
-	$(MH) bench --prompts $(UNSEEN_PROMPTS) --methods hf,pld,medusa --long-tokens 0 --out results/unseen
-	$(MH) bench --prompts $(BENCH_PROMPTS) --batch-sizes 2,4,8 --limit 16 --out results/batch
+	$(MH) bench --prompts $(UNSEEN_PROMPTS) --methods hf,pld,medusa --long-tokens 0 --out results/transformers/unseen
+	$(MH) bench --prompts $(BENCH_PROMPTS) --batch-sizes 2,4,8 --limit 16 --out results/transformers/batch
 	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,pld,medusa,llamacpp --long-tokens 0 --out results/llamacpp
 
 # The heads on llama.cpp against llama.cpp's own decoding of the same GGUF at each weight type, and its n-gram

@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--features-dtype", choices=["fp32", "bf16"], default="bf16",
                     help="the dtype of the features pass over vLLM's answers (`features --dtype`)")
-    ap.add_argument("--table", default="results/engine/throughput.md")
+    ap.add_argument("--table", default="results/vllm/distill/throughput.md")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # vLLM on both cores, as the other contenders
     out = Path(args.out)

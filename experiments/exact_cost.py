@@ -1,6 +1,6 @@
 """What the row-exact attention costs: a plain step and a 12-token greedy verify of SmolLM2-135M-Instruct in bf16
 with SDPA, eager and the row-exact attention (fp32 SDPA beside them), prepacked, in one process, alternating, medians.
-Writes results/exact/cost.md.
+Writes results/transformers/exact/cost.md.
 
     python -m experiments.exact_cost [--context 300] [--repeats 8]
 """
@@ -26,7 +26,7 @@ CONFIGS = [("fp32, SDPA", torch.float32, "sdpa"), ("bf16, SDPA", torch.bfloat16,
 
 
 def main() -> None:
-    ap = parser(__doc__.split("\n\n")[0], out="results/exact/cost.md")
+    ap = parser(__doc__.split("\n\n")[0], out="results/transformers/exact/cost.md")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=8)
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 """Are a bf16 tree verify's rows the plain steps? For each attention (the row-exact one, transformers' eager and
 SDPA), SmolLM2-135M-Instruct in bf16, prepacked: random trees of 2 to 16 nodes at 12 contexts from 1 to 1,024
 tokens; each node's logits from the verify against those of plain steps along its path, bit for bit. Writes
-results/exact/rows.md.
+results/transformers/exact/rows.md.
 
     python -m experiments.exact_rows [--trees 12]
 """
@@ -51,7 +51,7 @@ def rows(base, trees: int) -> tuple[int, int, float]:
 
 
 def main() -> None:
-    ap = parser(__doc__.split("\n\n")[0], out="results/exact/rows.md")
+    ap = parser(__doc__.split("\n\n")[0], out="results/transformers/exact/rows.md")
     ap.add_argument("--trees", type=int, default=len(CONTEXTS))
     args = ap.parse_args()
     torch.set_num_threads(2)

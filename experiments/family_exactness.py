@@ -4,7 +4,7 @@ path as a user loads a checkpoint, in bf16 and with int8 linears on this CPU; wh
 output is the model's plain decoding bit for bit (`exact`, checked at load: medusa_heads/kernels/exactness.py) and why not, and
 whether greedy output with random heads equals the model's own `generate` on 3 prompts of 40 new tokens.
 
-    python -m experiments.family_exactness --out results/families/exactness.md
+    python -m experiments.family_exactness --out results/transformers/families/exactness.md
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def run(folder: str, kwargs: dict) -> tuple[bool, str, int]:
 
 
 def main() -> None:
-    ap = parser(__doc__.split("\n\n")[0], out="results/families/exactness.md")
+    ap = parser(__doc__.split("\n\n")[0], out="results/transformers/families/exactness.md")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     names = list(FAMILIES) + list(MORE)

@@ -3,7 +3,7 @@ alone (both levels of the rows already quantised: twice the rows), and the whole
 two levels, then scaled back; under inference mode, so no call reuses a sibling's levels). Microseconds a call,
 median of 5 rounds of 200 calls, 2 threads, one process, the contenders alternating.
 
-    python -m experiments.int8_linear > results/int8/linear.md
+    python -m experiments.int8_linear > results/transformers/int8/linear.md
 """
 from __future__ import annotations
 

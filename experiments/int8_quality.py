@@ -2,7 +2,7 @@
 conversations of data/distilled.jsonl.gz, up to 512 tokens each), at every answer token, the share of positions
 whose top token is fp32's, and the mean KL divergence KL(fp32 || X) of the next-token distributions.
 
-    python -m experiments.int8_quality > results/int8/quality.md
+    python -m experiments.int8_quality > results/transformers/int8/quality.md
 """
 from __future__ import annotations
 

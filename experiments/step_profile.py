@@ -4,7 +4,7 @@ verify of a tree, on the embedded model, fp32, prepacked linears as `generate` r
 The floor: the bytes of weights a step must read (every linear once, the tied LM head once), over this machine's
 read bandwidth (a 1 GiB tensor summed, best of 5). The profile: torch.profiler over 32 steps of each kind at a
 300-token context, the self time of every op grouped (linear products, attention, the rest of ATen), and what is
-left of the wall time outside ATen (Python, module calls, dispatch). Writes results/profile/step_profile.md.
+left of the wall time outside ATen (Python, module calls, dispatch). Writes results/transformers/profile/step_profile.md.
 
     python -m experiments.step_profile [--threads 2] [--steps 32] [--tree-tokens 6]
 """
@@ -93,7 +93,7 @@ def profile(step, steps: int) -> tuple[float, dict[str, float]]:
 
 
 def main() -> None:
-    ap = parser(__doc__.split("\n\n")[0], "threads", out="results/profile/step_profile.md")
+    ap = parser(__doc__.split("\n\n")[0], "threads", out="results/transformers/profile/step_profile.md")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--tree-tokens", type=int, default=6)

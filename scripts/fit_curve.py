@@ -30,7 +30,7 @@ def seconds(budget: str) -> float:
 
 
 def main() -> None:
-    p = parser(__doc__, "model", prompts=["data/bench_prompts.jsonl"], out="results/fit")
+    p = parser(__doc__, "model", prompts=["data/bench_prompts.jsonl"], out="results/training/fit")
     p.add_argument("--budgets", nargs="+", default=["6m", "30m", "1h", "2h"])
     p.add_argument("--runs", default="runs", help="the fits go to RUNS/fit-<budget>")
     p.add_argument("--skip-ab", action="store_true", help="only the fits (the A/B of an earlier run stays)")

@@ -2,7 +2,7 @@
 """`medusa-heads fit` killed with SIGKILL inside each phase in turn, rerun after each kill, against one run that was
 not killed (same model, seed and caps): are the answers, the heads and their evaluations the same?
 
-    python -m scripts.fit_kill_check --out runs/killcheck --json results/fit/kill_check.json
+    python -m scripts.fit_kill_check --out runs/killcheck --json results/training/fit/kill_check.json
 
 The kill comes from the command itself (MEDUSA_HEADS_KILL_AT=phase: after distill's first batch, train's first
 checkpoint, calibrate's files, the bench), so it lands at the same point every time. --max-answers and --max-steps
@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--budget", default="8m")
     p.add_argument("--max-answers", type=int, default=32)
     p.add_argument("--max-steps", type=int, default=40)
-    p.add_argument("--json", default="results/fit/kill_check.json")
+    p.add_argument("--json", default="results/training/fit/kill_check.json")
     args = p.parse_args()
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

@@ -2,7 +2,7 @@
 sequential one, no call may fail. The same load through transformers' generate on the same model gives the
 throughput and peak-RSS baseline.
 
-    python -m scripts.load_check [--threads 1,4,8,16] [--requests 200] [--max-new-tokens 32] [--out results/load]
+    python -m scripts.load_check [--threads 1,4,8,16] [--requests 200] [--max-new-tokens 32] [--out results/transformers/load]
 
 Resumable: each (method, threads) row is written to OUT/load.json as it finishes, and a rerun skips it."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def reset_peak_rss() -> None:
 
 
 def main() -> None:
-    p = parser(__doc__.split("\n\n")[0], "prompts", max_new_tokens=32, out="results/load")
+    p = parser(__doc__.split("\n\n")[0], "prompts", max_new_tokens=32, out="results/transformers/load")
     p.add_argument("--threads", default="1,4,8,16")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--torch-threads", type=int, default=2)

@@ -10,7 +10,7 @@ Three steps, each in its own interpreter (vLLM lives in .venv-vllm, with transfo
       acceptance metrics next to ours; then `vllm serve` with the heads answers one chat request over HTTP
   .venv-vllm/bin/python -m scripts.vllm_check load --export runs/vllm/heads --stock runs/vllm/stock --max-tokens 64
       output tokens/s at 1, 4 and 16 concurrent requests without speculation, with the plugin, stock Medusa-1 heads,
-      vLLM's ngram and suffix methods (results/vllm/load.md)
+      vLLM's ngram and suffix methods (results/vllm/serving/load.md)
 Every step fails with a non-zero exit and one line naming what differed. Offline work stays under __main__ because
 vLLM starts its engine in a spawned process. Run from the repository's root, which puts the project's own modules on
 the path in .venv-vllm too (it does not install them)."""
@@ -212,7 +212,7 @@ def run_check(args: argparse.Namespace) -> None:
         "serve": {"reply_equals_offline": reply == offline_text, "seconds": round(time.monotonic() - t_serve, 1)},
         "seconds": round(time.monotonic() - t0, 1),
     }
-    out = ROOT / "results" / "vllm" / "check.json"
+    out = ROOT / "results" / "vllm" / "serving" / "check.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"vllm_check: {args.n} prompts x {args.max_tokens} tokens, greedy, fp32: {args.n - len(differ)}/{args.n} identical "
@@ -231,7 +231,7 @@ def run_check(args: argparse.Namespace) -> None:
         fail(f"vLLM drafted {len(outside)} tokens outside the draft vocabulary, e.g. {outside[:5]}")
     if reply != offline_text:
         fail(f"vllm serve replied {reply[:80]!r}, offline greedy gave {offline_text[:80]!r}")
-    print(f"vllm_check: OK ({report['seconds']:.0f} s; results/vllm/check.json)")
+    print(f"vllm_check: OK ({report['seconds']:.0f} s; results/vllm/serving/check.json)")
 
 
 # The load table's contenders: name -> speculative_config (None: no speculation). "plugin" runs the export given
@@ -290,7 +290,7 @@ def run_load(args: argparse.Namespace) -> None:
             del llm
     rows = [{"method": m, "concurrency": c, "tokens": n, "seconds": round(s, 2), "tokens_per_s": round(n / s, 1)}
             for (m, c), (n, s) in totals.items()]
-    out = ROOT / "results" / "vllm" / "load.json"
+    out = ROOT / "results" / "vllm" / "serving" / "load.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"max_tokens": args.max_tokens, "repeats": args.repeats, "engine": ENGINE, "env": ENV,
                                "contenders": runs, "rows": rows, "metrics": metrics, "skipped": skipped}, indent=1) + "\n")
@@ -323,7 +323,7 @@ def run_root_cost(args: argparse.Namespace) -> None:
             med = {k: 1000 * sorted(v)[len(v) // 2] for k, v in times.items()}
             rows.append({"rows": n, "root_ms": round(med["root"], 3), "draft_ms": round(med["draft"], 3)})
             print(rows[-1], flush=True)
-    load = ROOT / "results" / "vllm" / "load.json"
+    load = ROOT / "results" / "vllm" / "serving" / "load.json"
     step = None
     if load.is_file():
         plain = {r["concurrency"]: r["tokens_per_s"] for r in json.loads(load.read_text())["rows"] if r["method"] == "none"}
@@ -366,7 +366,7 @@ def main() -> None:
     o = shared(sub.add_parser("ours"), out=REQUIRED,
                threads=Option(2, "torch threads (1 while other work shares the cores)"))
     o.add_argument("--heads", required=True)
-    rc = shared(sub.add_parser("root-cost"), "threads", out=str(ROOT / "results" / "vllm" / "root_cost.md"))
+    rc = shared(sub.add_parser("root-cost"), "threads", out=str(ROOT / "results" / "vllm" / "serving" / "root_cost.md"))
     rc.add_argument("--export", required=True)
     rc.add_argument("--repeats", type=int, default=30)
     rc.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16])

@@ -1,6 +1,6 @@
 """Lossless past a real model's sliding window: a long prompt and a long answer, ours against transformers' generate.
 
-    python -m scripts.window_check --model gemma3-270m --heads runs/fit-gemma3-30m --out results/models/window_check.json
+    python -m scripts.window_check --model gemma3-270m --heads runs/fit-gemma3-30m --out results/training/models/window_check.json
 
 Two cases on the model's own window (Gemma 3 270M: 512 tokens on 15 of its 18 layers): a prompt of --prompt-tokens
 tokens (default 1,000) with --new-tokens new ones (default 600), and a short prompt whose answer alone crosses the
@@ -21,7 +21,7 @@ TEXT = ROOT / "docs" / "how-it-works.md"
 
 
 def main() -> None:
-    ap = parser(__doc__.splitlines()[0], "threads", model="gemma3-270m", out="results/models/window_check.json")
+    ap = parser(__doc__.splitlines()[0], "threads", model="gemma3-270m", out="results/training/models/window_check.json")
     ap.add_argument("--heads", default=None, help="a heads folder (default: new, untrained heads)")
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--new-tokens", type=int, default=600)

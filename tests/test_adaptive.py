@@ -93,7 +93,7 @@ def test_the_measured_fit_charges_each_size_its_own_time_and_a_tree_grows_to_a_c
 
 
 def test_a_plain_step_dearer_than_a_small_tree_is_charged_its_own_time_and_never_chosen():
-    # bf16 on this CPU at 4K cached tokens (results/bf16/one_token.md): one token costs more than two
+    # bf16 on this CPU at 4K cached tokens (results/transformers/bf16/one_token.md): one token costs more than two
     ms = (122.4, 73.6, 83.5, 77.6, 71.6, 74.4, 97.9)
     fit = CostModel(contexts=(4096,), sizes=tuple(range(1, 8)), ms=(ms,)).verify_ms(4096)
     assert fit[0] == pytest.approx(122.4)  # pooled with the trees, 1 to 6 tokens would all be charged 83.85
@@ -561,7 +561,7 @@ def test_new_heads_fit_the_default_tree_and_adaptive_needs_a_calibration():
 
 @pytest.mark.skipif(not bf16_supported(), reason="no oneDNN bf16 kernels on this CPU")
 def test_the_shipped_heads_choose_trees_for_a_bf16_target_and_its_output_is_generates():
-    """bf16 on a CPU has its own cost model in the shipped heads (results/bf16/), and from_pretrained gives a bf16
+    """bf16 on a CPU has its own cost model in the shipped heads (results/transformers/bf16/), and from_pretrained gives a bf16
     target the row-exact attention (where this CPU's products allow it): the output is generate's token for token."""
     model = MedusaModel.from_pretrained(default_model_path(), dtype=torch.bfloat16)
     base = model.base_model

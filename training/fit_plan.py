@@ -21,8 +21,9 @@ PHASES = ("distill", "train", "calibrate", "bench")
 # Calibrate and bench cost about a fixed time, measured in the target's generate seconds a token (per_token, timed
 # after loading); distill and train share the rest, DISTILL_SHARE to distill. Train's steps are sized when it starts,
 # from what is left then, so it takes up what distill's estimate missed; each phase also has a deadline.
-DISTILL_SHARE = 0.58  # distill : train = 0.45 : 0.33, the split of the 1-hour run (results/fit/1h)
-CALIBRATE_TOKENS = 1800  # calibrate took 96-98 s on SmolLM2 at 1 thread, ~1,800 × its 54 ms a token (results/fit)
+DISTILL_SHARE = 0.58  # distill : train = 0.45 : 0.33, the split of the 1-hour run (results/training/fit/1h)
+# calibrate took 96-98 s on SmolLM2 at 1 thread, ~1,800 × its 54 ms a token (results/training/fit)
+CALIBRATE_TOKENS = 1800
 # a bench prompt: generate + prompt lookup + ours = (1 + 1 / 1.6 + 1 / speed-up) × its tokens × per_token
 BENCH_FACTOR = 2.4
 BENCH_SHARE = 0.10  # the bench's prompts: as many as 10% of the budget buys, at least 2, at most the file's
@@ -35,7 +36,7 @@ SELF_PROMPT_TOKENS = 96  # longest prompt the model writes (a longer one is drop
 MIN_STEPS = 20
 FIRST_BATCH = 16  # answers of distill's timed batch: the least distill does
 # a distilled answer costs about this many of the target's generate tokens a token it may write (batches of 16,
-# features kept: 1.4 s an answer of at most 128 tokens at 32 ms a token in the 6-minute run, results/fit/6m)
+# features kept: 1.4 s an answer of at most 128 tokens at 32 ms a token in the 6-minute run, results/training/fit/6m)
 ANSWER_COST = 0.35
 BENCH_TOKENS = 64  # new tokens a bench prompt
 STATE = "fit_state.json"

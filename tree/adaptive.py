@@ -145,7 +145,8 @@ class CostModel:
       work on blocks of rows (about 6 in fp32), so a verify costs about the same from 2 to 6 tokens and jumps at 7;
       a line hides those steps and charges 6 tokens like 7. The plain step (1 token) keeps its own timing: it runs
       other kernels (one row), and in bf16 on a CPU another attention path, which at long contexts costs more than
-      a 2-token tree (results/bf16/one_token.md); pooled with the trees, it would be charged what they cost.
+      a 2-token tree (results/transformers/bf16/one_token.md); pooled with the trees, it would be charged what they
+      cost.
     - "line": a least-squares line through the tree sizes (>= 2), never below a plain step (heads calibrated
       before "steps" existed).
 

@@ -12,8 +12,8 @@ saturation) on the machine at hand.
 
 Why two levels: one int8 level per row is coarse wherever a few channels are much larger than the rest (SmolLM2's
 top token agreed with fp32's at 92% of positions, KL 0.030); with two, the error is the weights' alone, as
-weight-only int8 and llama.cpp's Q8_0 (97%, KL 0.004: `results/int8/quality.md`), for one GEMM of twice the rows,
-which costs about the same on these small products, and a few more small ops.
+weight-only int8 and llama.cpp's Q8_0 (97%, KL 0.004: `results/transformers/int8/quality.md`), for one GEMM of
+twice the rows, which costs about the same on these small products, and a few more small ops.
 
 What stays in the model's dtype (bf16, or fp32 where the CPU has no bf16 kernels): embeddings, norms, attention (the
 row-exact attention in bf16), the heads. The original weights stay too (tied embeddings, the heads' shared LM-head
