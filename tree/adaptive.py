@@ -16,12 +16,26 @@ from functools import cached_property
 import torch
 
 
+class _RateTable:
+    """A frozen table of rates keyed by its first field (`KEY`): as a dict of lists for JSON, and back."""
+
+    KEY = ""
+
+    def to_dict(self) -> dict:
+        return {self.KEY: list(getattr(self, self.KEY)), "rates": [list(r) for r in self.rates]}
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return cls(tuple(d[cls.KEY]), tuple(tuple(r) for r in d["rates"]))
+
+
 @dataclass(frozen=True)
-class Acceptance:
+class Acceptance(_RateTable):
     """P(a drafted token is accepted | its parent was) from the head's own probability, per depth: isotonic bins."""
 
     edges: tuple[float, ...]  # B + 1 increasing bin edges over [0, 1]
     rates: tuple[tuple[float, ...], ...]  # rates[d - 1][b]: acceptance at depth d for head probability in bin b
+    KEY = "edges"
 
     def __post_init__(self) -> None:
         if (len(self.edges) < 2 or list(self.edges) != sorted(self.edges) or self.edges[0] != 0.0
@@ -57,20 +71,14 @@ class Acceptance:
         b = min(bisect.bisect_right(self.edges, prob) - 1, len(self.edges) - 2)
         return self.rates[min(depth, self.depth) - 1][max(b, 0)]
 
-    def to_dict(self) -> dict:
-        return {"edges": list(self.edges), "rates": [list(r) for r in self.rates]}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Acceptance":
-        return cls(tuple(d["edges"]), tuple(tuple(r) for r in d["rates"]))
-
 
 @dataclass(frozen=True)
-class LookupAcceptance:
+class LookupAcceptance(_RateTable):
     """P(the j-th token of a prompt-lookup continuation is accepted | the (j-1)-th was), by matched n-gram length."""
 
     ngrams: tuple[int, ...]  # matched n-gram lengths measured, increasing
     rates: tuple[tuple[float, ...], ...]  # rates[i][j - 1]: for ngrams[i], depth j (deeper reads the last entry)
+    KEY = "ngrams"
 
     def __post_init__(self) -> None:
         if not self.ngrams or len(self.rates) != len(self.ngrams) or any(not r for r in self.rates):
@@ -83,13 +91,6 @@ class LookupAcceptance:
         i = max(0, bisect.bisect_right(self.ngrams, ngram) - 1)
         row = self.rates[i]
         return [row[min(j, len(row) - 1)] for j in range(length)]
-
-    def to_dict(self) -> dict:
-        return {"ngrams": list(self.ngrams), "rates": [list(r) for r in self.rates]}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LookupAcceptance":
-        return cls(tuple(d["ngrams"]), tuple(tuple(r) for r in d["rates"]))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from medusa_heads.kernels.int8 import quantize_weight
-from medusa_heads.kernels.prepack import PackedLinear
+from medusa_heads.kernels.prepack import PackedLinear, swap_modules
 
 INT8 = torch.int8  # the draft_dtype that asks for these products (from_pretrained, --draft-dtype int8)
 
@@ -67,14 +67,12 @@ def int8_heads(heads: nn.Module) -> int:
     if not draft_int8_supported():
         raise RuntimeError("this PyTorch build has no weight-only int8 product (torch._weight_int8pack_mm): "
                            "draft in fp32 or bf16")
-    swapped = 0
-    for parent in list(heads.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                if child.weight.device.type != "cpu":
-                    raise ValueError(f"int8 drafting runs on a CPU; the heads' {name} is on {child.weight.device}")
-                setattr(parent, name, Int8DraftLinear(child))
-                swapped += 1
+    def quantized(name: str, child: nn.Linear) -> Int8DraftLinear:
+        if child.weight.device.type != "cpu":
+            raise ValueError(f"int8 drafting runs on a CPU; the heads' {name} is on {child.weight.device}")
+        return Int8DraftLinear(child)
+
+    swapped = swap_modules(heads, lambda child: type(child) is nn.Linear, quantized)
     heads.use_kernels(_weight_kernel)
     return swapped
 

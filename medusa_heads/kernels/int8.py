@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from medusa_heads.kernels.invariance import COUNTS, rows_change_at
-from medusa_heads.kernels.prepack import PackedLinear, fuse_siblings
+from medusa_heads.kernels.prepack import PackedLinear, fuse_siblings, swap_modules
 
 ZERO_POINT = 128  # oneDNN takes unsigned activations: q_x + 128 in uint8, and the kernel subtracts it back
 
@@ -129,16 +129,14 @@ def quantize_linears(model: nn.Module) -> int:
     if not int8_supported():
         raise RuntimeError("this PyTorch build has no oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise): "
                            "use dtype bf16 or fp32")
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear and (not isinstance(child, PackedLinear) or isinstance(child, Int8Linear)):
-                continue
-            if child.weight.device.type != "cpu" or child.weight.dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"int8: {name} is {child.weight.dtype} on {child.weight.device}; only bf16 or fp32 "
-                                 "CPU models are quantised")
-            setattr(parent, name, Int8Linear(child))
-            swapped += 1
+    def quantized(name: str, child: nn.Module) -> Int8Linear:
+        if child.weight.device.type != "cpu" or child.weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"int8: {name} is {child.weight.dtype} on {child.weight.device}; only bf16 or fp32 "
+                             "CPU models are quantised")
+        return Int8Linear(child)
+
+    swapped = swap_modules(model, lambda child: type(child) is nn.Linear or (
+        isinstance(child, PackedLinear) and not isinstance(child, Int8Linear)), quantized)
     fuse_siblings(model)
     return swapped
 

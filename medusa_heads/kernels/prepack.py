@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from typing import Callable
 
 import torch
 from torch import nn
@@ -179,6 +180,19 @@ class Siblings:
         return memo[3][i]
 
 
+def swap_modules(model: nn.Module, take: Callable[[nn.Module], bool],
+                 make: Callable[[str, nn.Module], nn.Module]) -> int:
+    """Each submodule `take` accepts replaced, in place, by make(its attribute name, it); returns how many. The one
+    walk behind every kernel swap (prepack_linears, int8.quantize_linears, draft_int8.int8_heads)."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if take(child):
+                setattr(parent, name, make(name, child))
+                swapped += 1
+    return swapped
+
+
 def fuse_siblings(model: nn.Module) -> int:
     """Give each group of SIBLING_NAMES under one module one product (Siblings), where all are PackedLinears of one
     class, input size, dtype and device, with biases all or none; returns how many groups. Each member's columns are
@@ -223,20 +237,19 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
     PyTorch without oneDNN."""
     if not prepack_supported():
         raise RuntimeError("this PyTorch build has no oneDNN packed linear (torch.ops.mkldnn._linear_pointwise)")
-    swapped, mkl = 0, mkl_packs()
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
-                continue
-            if child.weight.device.type != "cpu" or child.weight.dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"prepack_linears: {name} is {child.weight.dtype} on {child.weight.device}; "
-                                 "only fp32 or bf16 CPU models are packed")
-            if not packs(child.weight.dtype):
-                raise ValueError(f"prepack_linears: {name} is bf16, and this CPU has no oneDNN bf16 kernels (they need "
-                                 "AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT); leave a bf16 model on the stock kernels")
-            kind = MklPackedLinear if child.weight.dtype == torch.float32 and mkl else PackedLinear
-            setattr(parent, name, kind(child, batch_hint))
-            swapped += 1
+    mkl = mkl_packs()
+
+    def packed(name: str, child: nn.Linear) -> PackedLinear:
+        if child.weight.device.type != "cpu" or child.weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"prepack_linears: {name} is {child.weight.dtype} on {child.weight.device}; "
+                             "only fp32 or bf16 CPU models are packed")
+        if not packs(child.weight.dtype):
+            raise ValueError(f"prepack_linears: {name} is bf16, and this CPU has no oneDNN bf16 kernels (they need "
+                             "AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT); leave a bf16 model on the stock kernels")
+        kind = MklPackedLinear if child.weight.dtype == torch.float32 and mkl else PackedLinear
+        return kind(child, batch_hint)
+
+    swapped = swap_modules(model, lambda child: type(child) is nn.Linear, packed)
     fuse_siblings(model)
     from medusa_heads.kernels.exactness import cap_rows
 
