@@ -40,7 +40,8 @@ NGRAM_WEIGHTS = ("f32", "bf16", "q8_0")  # the weights "llamacpp" stands for
 METHODS = (tuple(f"llamacpp-{w}" for w in WEIGHTS) + tuple(f"llamacpp-{m}" for m in NGRAM_MODES)
            + tuple(f"llamacpp-{w}-{m}" for w in WEIGHTS[1:] for m in NGRAM_MODES)
            + tuple(f"medusa-llamacpp-{w}" for w in WEIGHTS))
-FLASH_ATTENTION = True  # as llama.cpp decodes on a CPU by default; it changes bits, so the heads and their reference agree
+# as llama.cpp decodes on a CPU by default; it changes bits, so the heads and their reference agree
+FLASH_ATTENTION = True
 BUILD_MINUTES = 9  # both builds on two cores, about
 
 

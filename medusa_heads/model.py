@@ -24,12 +24,14 @@ from medusa_heads.inference.adaptive import AdaptiveDrafter, DraftObserver
 from medusa_heads.inference.batch import decode_batch
 from medusa_heads.inference.decode import DecodeStats, decode
 from medusa_heads.kernels.exactness import has_attention_sinks, promises_exact
-from medusa_heads.kernels.exact_attention import register as register_exact_attention, rows_invariant, uses_exact_attention
+from medusa_heads.kernels.exact_attention import (register as register_exact_attention, rows_invariant,
+                                                  uses_exact_attention)
 from medusa_heads.kernels.int8 import int8_rows_invariant, int8_supported, quantize_linears
 from medusa_heads.inference.plan import ADAPTIVE, Drafting, check_tree, make_plan, tree_buffers
 from medusa_heads.inference.propose import MAX_NGRAM, Drafter
 from medusa_heads.kernels.draft_int8 import INT8, draft_int8_supported, int8_heads
-from medusa_heads.kernels.prepack import bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears, prepack_supported
+from medusa_heads.kernels.prepack import (bf16_supported, is_prepacked, packs, prepack_heads, prepack_linears,
+                                          prepack_supported)
 from medusa_heads.engines.hf_probes import check_tree_attention, exactness_problem
 from medusa_heads.engines.base import Engine
 from medusa_heads.engines.hf import Target
@@ -167,10 +169,10 @@ class MedusaModel(nn.Module):
         tree: the default tree of calls that name none (set_tree); generate(..., tree=) chooses per call.
         prepack: the base's linears on packed CPU kernels (default: where this call loads the base onto a CPU);
         loaded heads are packed on a CPU either way. draft_dtype: the heads' dtype (default on a CPU: bf16 with bf16
-        kernels, else torch.int8, weight-only). quantize="int8": the base's linears on oneDNN's int8 GEMM (CPU). A bf16 or int8 base this call
-        loads gets the row-exact attention where this CPU's products allow it; `model.exact` says what was checked.
-        gguf: the target on llama.cpp: a GGUF file of this base, or a weight type (f32, bf16, q8_0, q4_1, q4_k_m)
-        converted from the base's folder once; threads: llama.cpp's threads (default: torch's)."""
+        kernels, else torch.int8, weight-only). quantize="int8": the base's linears on oneDNN's int8 GEMM (CPU). A bf16
+        or int8 base this call loads gets the row-exact attention where this CPU's products allow it; `model.exact` says
+        what was checked. gguf: the target on llama.cpp: a GGUF file of this base, or a weight type (f32, bf16, q8_0,
+        q4_1, q4_k_m) converted from the base's folder once; threads: llama.cpp's threads (default: torch's)."""
         if gguf is None and not isinstance(base, PreTrainedModel) and str(base).endswith(".gguf"):
             gguf = base
         _check_kernels_asked(quantize, gguf)
@@ -251,13 +253,13 @@ class MedusaModel(nn.Module):
         tree: str | Sequence[Sequence[int]] | TreeSpec | None = None,
         **kwargs,
     ) -> torch.Tensor | MedusaGenerateOutput:
-        """Like transformers' generate (decoder-only; a batch is left-padded, with its attention_mask). Greedy output equals the base model's greedy
-        output token for token, and sampled output follows the base model's distribution exactly, unless
-        acceptance="typical" (Medusa's typical acceptance: faster, lossy).
+        """Like transformers' generate (decoder-only; a batch is left-padded, with its attention_mask). Greedy output
+        equals the base model's greedy output token for token, and sampled output follows the base model's distribution
+        exactly, unless acceptance="typical" (Medusa's typical acceptance: faster, lossy).
         prompt_lookup_num_tokens=N (as in transformers) adds up to N tokens copied from the text so far after the
-        latest earlier occurrence of its last MAX_NGRAM (3, max_matching_ngram_size) down to MIN_NGRAM (2) tokens, merged into the heads' tree;
-        output is unchanged, only tau. Unset, it is the heads' config.lookup_tokens (in batches, only where they
-        draft per-step trees).
+        latest earlier occurrence of its last MAX_NGRAM (3, max_matching_ngram_size) down to MIN_NGRAM (2) tokens,
+        merged into the heads' tree; output is unchanged, only tau. Unset, it is the heads' config.lookup_tokens (in
+        batches, only where they draft per-step trees).
         tree: this call's tree (inference/plan.py): a preset name ("cpu-16", "chain-4"), rank paths or a TreeSpec for
         that fixed tree at every step; "adaptive" for a tree chosen at each step, lookup included; "plain" for no
         drafting. Default: model.default_tree ("adaptive" for heads calibrated for these kernels, else their fixed
@@ -269,13 +271,14 @@ class MedusaModel(nn.Module):
         max_new = generate_args.max_new_tokens(self.base_model, input_ids, gc, generation_config, kwargs)
         eos = set(prompting.eos_ids(gc.eos_token_id))
 
-        plan = make_plan(self.drafting(), self.engine, gc, rows=input_ids.shape[0], prompt_len=input_ids.shape[1], tree=tree,
-                         acceptance=acceptance, posterior_threshold=posterior_threshold,
+        plan = make_plan(self.drafting(), self.engine, gc, rows=input_ids.shape[0], prompt_len=input_ids.shape[1],
+                         tree=tree, acceptance=acceptance, posterior_threshold=posterior_threshold,
                          posterior_alpha=posterior_alpha, logits_processor=logits_processor, drafter=drafter,
                          generator=generator)
         device = self.engine.device
         if batched:
-            pad = gc.pad_token_id if gc.pad_token_id is not None else next(iter(prompting.eos_ids(gc.eos_token_id)), None)
+            pad = (gc.pad_token_id if gc.pad_token_id is not None
+                   else next(iter(prompting.eos_ids(gc.eos_token_id)), None))
             if pad is None:
                 raise ValueError("batched generation needs pad_token_id (or eos_token_id) to pad finished rows")
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -412,7 +415,8 @@ def exact_attention_kwargs(name: str | os.PathLike, base_kwargs: dict) -> dict:
     """from_pretrained's loading arguments, with the row-exact attention for a bf16 model bound for this CPU (where
     its products are row-invariant) unless the caller chose an attention, or its class computes attention itself
     (Falcon: it takes no attention but its own, and would fail to load with this one)."""
-    if base_kwargs.get("dtype", base_kwargs.get("torch_dtype")) != torch.bfloat16 or "attn_implementation" in base_kwargs:
+    if (base_kwargs.get("dtype", base_kwargs.get("torch_dtype")) != torch.bfloat16
+            or "attn_implementation" in base_kwargs):
         return base_kwargs
     if base_kwargs.get("device_map") not in (None, "cpu") or not rows_invariant(torch.bfloat16):
         return base_kwargs

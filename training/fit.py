@@ -47,7 +47,8 @@ def choose_recipe(hidden_size: int, vocab_size: int, budget_s: float) -> dict:
       150K vocabulary (the draft head's cost grows with it) |
     | lr, decay, batch_size | 1e-3, 0.8, 2048 | the shipped recipe (configs/train/smollm2-135m.yaml) |
     | lookup_tokens | 10 | the shipped recipe |
-    | max_steps | measured: the train phase's share of the budget over one timed step | budget rule, not a measured optimum |
+    | max_steps | measured: the train phase's share of the budget over one timed step | budget rule, not a measured
+      optimum |
     | max_new_tokens | 128 under 30 min, 256 above | more prompts rather than longer answers in a short budget
       ("new answers moved the heads", docs/training.md); not measured |
     | max_prompt_chars | 1,000 under 30 min, 4,000 above | a batch pads to its longest prompt: one prompt of 1,000
@@ -55,8 +56,9 @@ def choose_recipe(hidden_size: int, vocab_size: int, budget_s: float) -> dict:
     """
     mlp = 64 * round(8 * hidden_size / 3 / 64) if hidden_size <= 1024 else 0
     return {
-        "recipe": dict(num_heads=4, num_layers=1, mlp_size=mlp, condition="path", draft_vocab_size=min(4096, vocab_size),
-                       decay=0.8, lr=1e-3, batch_size=2048, eval_fraction=0.05, lookup_tokens=10),
+        "recipe": dict(num_heads=4, num_layers=1, mlp_size=mlp, condition="path",
+                       draft_vocab_size=min(4096, vocab_size), decay=0.8, lr=1e-3, batch_size=2048, eval_fraction=0.05,
+                       lookup_tokens=10),
         "max_new_tokens": 128 if budget_s < 1800 else 256,
         "max_prompt_chars": 1000 if budget_s < 1800 else 4000,
         "sampled_share": SAMPLED_SHARE,
@@ -192,10 +194,10 @@ def fit(model: str, budget_s: float, out: str | os.PathLike, *, seed: int = 0, f
     """Run (or continue) every phase not yet done in `out`; returns the report. max_answers / max_steps > 0 cap
     what the budget would buy (tests, or a smaller run); stop_after ends after that phase (a test hook); started:
     when the budget's clock started (default: now); now: the clock every deadline and estimate reads (a test's own
-    makes fit's decisions independent of the host's speed; `started` is in its time). server (an OpenAI-compatible server of the target; server_model:
-    its served name, default the first listed) or engine="vllm" (vllm_python, vllm_args: vLLM's server started for
-    the phase): the answers come from there, `concurrency` requests in flight, and their features from a separate
-    pass; a rerun takes the same kind of source while distill is not done."""
+    makes fit's decisions independent of the host's speed; `started` is in its time). server (an OpenAI-compatible
+    server of the target; server_model: its served name, default the first listed) or engine="vllm" (vllm_python,
+    vllm_args: vLLM's server started for the phase): the answers come from there, `concurrency` requests in flight, and
+    their features from a separate pass; a rerun takes the same kind of source while distill is not done."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = _continued(out, str(model), budget_s, seed)

@@ -33,11 +33,13 @@ def run_batch_bench(model, tokenizer, rows: list[PromptRow], batch_sizes: list[i
     out = {size: _batch_size(model, tokenizer, counter, texts, size, max_new_tokens, pad, eos) for size in batch_sizes}
     counter.handle.remove()
     cost = model.cost_model() if model.adaptive else None
-    tree = "per-step trees, one size per batch" if cost is not None and cost.batched else f"{model.tree.num_nodes}-node tree"
+    tree = ("per-step trees, one size per batch" if cost is not None and cost.batched
+            else f"{model.tree.num_nodes}-node tree")
     return {"by_batch": out, "settings": {"model": base.name_or_path, "max_new_tokens": max_new_tokens, "prompts": n,
                                           "tree_nodes": model.tree.num_nodes, "tree": tree,
                                           **runtime_settings(base, base.device),
-                                          "cost_model": model.cost_model_key() if cost is not None and cost.batched else None}}
+                                          "cost_model": (model.cost_model_key() if cost is not None and cost.batched
+                                                         else None)}}
 
 
 def _batch_size(model, tokenizer, counter: ForwardCounter, texts: list[str], size: int, max_new_tokens: int,
@@ -69,7 +71,8 @@ def _batch_size(model, tokenizer, counter: ForwardCounter, texts: list[str], siz
                                     for row in seq[:, enc["input_ids"].shape[1]:].tolist())
             acc[m]["row_forwards"] += rows_fwd
             outs[m] = seq
-        mismatches += sum(not torch.equal(a, b) for a, b in zip(outs["hf"], outs["medusa"])) if outs["hf"].shape == outs["medusa"].shape else size
+        mismatches += (sum(not torch.equal(a, b) for a, b in zip(outs["hf"], outs["medusa"]))
+                       if outs["hf"].shape == outs["medusa"].shape else size)
     hf_tps = acc["hf"]["tokens"] / acc["hf"]["seconds"]
     md_tps = acc["medusa"]["tokens"] / acc["medusa"]["seconds"]
     return {"hf_tokens_per_s": hf_tps, "medusa_tokens_per_s": md_tps, "speedup_vs_hf": md_tps / hf_tps,
@@ -84,10 +87,11 @@ def write_batch_results(result: dict, out: str | Path) -> None:
              f"{st.get('tree') or str(st['tree_nodes']) + '-node tree'}")
     lines = [f"# Batched throughput: {title}", "",
              f"{_setup_text(st)}.", "",
-             "| batch | hf tokens/s | medusa tokens/s | speed-up | tau per row | mismatched rows |", "|---|---|---|---|---|---|"]
+             "| batch | hf tokens/s | medusa tokens/s | speed-up | tau per row | mismatched rows |",
+             "|---|---|---|---|---|---|"]
     for b, r in result["by_batch"].items():
-        lines.append(f"| {b} | {r['hf_tokens_per_s']:.1f} | {r['medusa_tokens_per_s']:.1f} | {r['speedup_vs_hf']:.2f} | "
-                     f"{r['mean_accepted']:.2f} | {r['mismatched_rows']}/{r['rows']} |")
+        lines.append(f"| {b} | {r['hf_tokens_per_s']:.1f} | {r['medusa_tokens_per_s']:.1f} | "
+                     f"{r['speedup_vs_hf']:.2f} | {r['mean_accepted']:.2f} | {r['mismatched_rows']}/{r['rows']} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
     plt = pyplot()

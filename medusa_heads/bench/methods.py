@@ -72,7 +72,8 @@ class MethodRunner:
         self.trees = {"medusa": None, "medusa-static": model.tree, "medusa-preset": preset}  # None: the model's default
         self.engines = engines
         self.llama_forwards: dict[str, int] = {}
-        self.on_llama = {m: model.on_engine(e) for m, e in self.engines.items() if split_method(m)[2]}  # the heads on llama.cpp
+        # the heads on llama.cpp
+        self.on_llama = {m: model.on_engine(e) for m, e in self.engines.items() if split_method(m)[2]}
 
     def __call__(self, method: str, ids: torch.Tensor, max_new_tokens: int | None = None, **gen):
         max_new_tokens = self.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -96,8 +97,8 @@ class MethodRunner:
 
     def _on_llamacpp(self, method: str, ids: torch.Tensor, max_new_tokens: int, **gen):
         if method in self.on_llama:
-            res = self.on_llama[method].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                                 return_dict_in_generate=True, **gen)
+            res = self.on_llama[method].generate(ids, attention_mask=torch.ones_like(ids),
+                                                 max_new_tokens=max_new_tokens, return_dict_in_generate=True, **gen)
             self.llama_forwards[method] = res.stats.steps
             return res.sequences, res.stats
         new, self.llama_forwards[method] = self.engines[method].generate(ids[0].tolist(), max_new_tokens,

@@ -17,10 +17,12 @@ def _sampling_text(sampling: dict | None) -> str:
 
 def _setup_text(st: dict) -> str:
     """What a bench ran on, from its settings (a batch bench before this was recorded says less)."""
-    kernels = "" if "prepacked_linears" not in st else f"{'prepacked' if st['prepacked_linears'] else 'stock'} kernels, "
+    kernels = ("" if "prepacked_linears" not in st
+               else f"{'prepacked' if st['prepacked_linears'] else 'stock'} kernels, ")
     if st.get("int8_linears"):
         kernels = "int8 linears (oneDNN), "
-    return (f"{st['prompts']} prompts, {st['dtype'].removeprefix('torch.')} on {st['device']}, {kernels}{st['threads']} threads"
+    return (f"{st['prompts']} prompts, {st['dtype'].removeprefix('torch.')} on {st['device']}, "
+            f"{kernels}{st['threads']} threads"
             + (f", {st['hardware']}" if st.get("hardware") else "")
             + (f"; per-step trees sized by the cost model {st['cost_model']}" if st.get("cost_model") else ""))
 
@@ -104,12 +106,14 @@ def write_results(result: dict, out: str | Path, methods: list[str]) -> None:
 
 
 def _table(result: dict, methods: list[str], labels: dict[str, str]) -> list[str]:
-    lines = ["| category | method | tokens/s | tau | speed-up vs hf | mismatches | peak MB |", "|---|---|---|---|---|---|---|"]
+    lines = ["| category | method | tokens/s | tau | speed-up vs hf | mismatches | peak MB |",
+             "|---|---|---|---|---|---|---|"]
     for cat, per in [("overall", result["overall"]), *result["by_category"].items()]:
         for m in methods:
             r = per[m]
             mm = "-" if r["mismatches_vs_hf"] is None else r["mismatches_vs_hf"]
-            lines.append(f"| {cat} | {labels[m]} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | {r['speedup_vs_hf']:.2f} | {mm} | {r['peak_memory_mb']:.0f} |")
+            lines.append(f"| {cat} | {labels[m]} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | "
+                         f"{r['speedup_vs_hf']:.2f} | {mm} | {r['peak_memory_mb']:.0f} |")
     return lines
 
 
@@ -139,7 +143,8 @@ def _long_table(result: dict, methods: list[str], labels: dict[str, str]) -> lis
              "| method | tokens/s | tau | speed-up vs hf | same as hf |", "|---|---|---|---|---|"]
     for m in methods:
         r = lg[m]
-        lines.append(f"| {labels[m]} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | {r['speedup_vs_hf']:.2f} | {r['same_as_hf']} |")
+        lines.append(f"| {labels[m]} | {r['tokens_per_s']:.1f} | {r['mean_accepted']:.2f} | {r['speedup_vs_hf']:.2f} | "
+                     f"{r['same_as_hf']} |")
     return lines
 
 
@@ -152,7 +157,8 @@ def _profile_lines(result: dict) -> list[str]:
                               for k, v in prof["share_of_time"].items())]
     if result.get("verify_sizes"):
         lines += ["", "Tree tokens verified per step by `medusa` (root included; share of steps, new tokens per step): "
-                  + ", ".join(f"{size}: {v['share']:.1%}, {v['tokens_per_step']:.2f}" for size, v in result["verify_sizes"].items())]
+                  + ", ".join(f"{size}: {v['share']:.1%}, {v['tokens_per_step']:.2f}"
+                              for size, v in result["verify_sizes"].items())]
     return lines
 
 
@@ -175,7 +181,8 @@ def _speedup_chart(result: dict, methods: list[str], labels: dict[str, str], cap
     ax.set_title("\n".join(textwrap.fill(t, wrap) for t in caption), fontsize=8)
     for j, m in enumerate(methods):
         tau = result["overall"][m]["mean_accepted"]
-        ax.annotate(f"\u03c4 {tau:.2f}", (j * width, result["overall"][m]["speedup_vs_hf"]), fontsize=6, ha="center", va="bottom")
+        ax.annotate(f"\u03c4 {tau:.2f}", (j * width, result["overall"][m]["speedup_vs_hf"]), fontsize=6,
+                    ha="center", va="bottom")
     top = max((result["overall"] if c == "overall" else result["by_category"][c])[m]["speedup_vs_hf"]
               for c in cats for m in methods)
     ax.set_ylim(0, max(top, 1.0) * 1.12)  # room for the tau labels above the tallest bar

@@ -26,12 +26,14 @@ LONG_PROMPT = "Write a long story about a lighthouse keeper who finds a message 
 
 class ForwardCounter:
     """Counts target forwards (to get tau for any method, transformers' own included): the calls of its decoder,
-    which every forward runs, the model's own and a greedy verify's without the LM head (medusa_heads/kernels/screen.py)."""
+    which every forward runs, the model's own and a greedy verify's without the LM head
+    (medusa_heads/kernels/screen.py)."""
 
     def __init__(self, model) -> None:
         self.calls = 0
         decoder = getattr(model, "get_decoder", lambda: model)()
-        self.handle = (decoder if isinstance(decoder, torch.nn.Module) else model).register_forward_pre_hook(self._count)
+        self.handle = (decoder if isinstance(decoder, torch.nn.Module) else model).register_forward_pre_hook(
+            self._count)
 
     def _count(self, module, args) -> None:
         self.calls += 1
@@ -102,7 +104,8 @@ class _Bench:
         self.acc = defaultdict(lambda: defaultdict(lambda: {"seconds": 0.0, "tokens": 0, "forwards": 0, "mismatches": 0,
                                                             "mismatches_plain": 0, "peak_mb": 0.0}))
         self.profile = defaultdict(lambda: defaultdict(float))  # a drafting method -> its seconds per part of a step
-        self.verify_sizes = defaultdict(lambda: [0, 0])  # medusa's tree tokens verified at a step -> [steps, new tokens]
+        # medusa's tree tokens verified at a step -> [steps, new tokens]
+        self.verify_sizes = defaultdict(lambda: [0, 0])
 
     def conversation(self, i: int, row: PromptRow) -> None:
         """Every turn of the i-th prompt, each turn's context ending in hf's reply to the turn before."""
@@ -172,7 +175,8 @@ class _Bench:
         arms = {m: partial(self.runner, m, max_new_tokens=self.long_tokens, eos_token_id=None, **self.gen)
                 for m in self.methods}
         results = run_round(arms, ids, 0, before=lambda m: calls0.__setitem__(m, self.counter.calls),
-                            after=lambda m: forwards.__setitem__(m, self.runner.forwards(m, self.counter.calls - calls0[m])))
+                            after=lambda m: forwards.__setitem__(
+                                m, self.runner.forwards(m, self.counter.calls - calls0[m])))
         for m, ((seq, _), dt) in results.items():
             long[m] = {"tokens_per_s": (seq.shape[1] - ids.shape[1]) / dt, "tokens": seq.shape[1] - ids.shape[1],
                        "mean_accepted": (seq.shape[1] - ids.shape[1]) / max(forwards[m], 1), "seq": seq}
@@ -209,7 +213,8 @@ class _Bench:
             "overall": self.summarise(self.acc.pop("overall")),
             "by_category": {cat: self.summarise(v) for cat, v in sorted(self.acc.items())},
             "by_prompt": speedups,  # "prompt N" (", turn T"): the N-th row of the bench's prompts file
-            "prompts": {prompt_name(i, r): {"id": r.id, "category": r.category, "text": r.turns[0]} for i, r in enumerate(rows)},
+            "prompts": {prompt_name(i, r): {"id": r.id, "category": r.category, "text": r.turns[0]}
+                        for i, r in enumerate(rows)},
             "long": {"max_new_tokens": self.long_tokens, "prompt": LONG_PROMPT, **long} if long else None,
             "labels": {m: method_label(m, model.config.lookup_tokens, model.adaptive and model.phrasebook() is not None)
                        for m in self.methods},

@@ -102,8 +102,8 @@ class LlamaCppEngine:
         """This weight type's table, measured on this ISA first; trees sized by another engine's table would be sized
         for another step, so there is no fallback."""
         exact = self.kernels()
-        return exact if exact in costs else next((k for k in sorted(costs) if k.startswith(f"llamacpp-{self.weights}-")),
-                                                 None)
+        return exact if exact in costs else next((k for k in sorted(costs)
+                                                  if k.startswith(f"llamacpp-{self.weights}-")), None)
 
     def session(self, capacity: int) -> "LlamaCppSession":
         if capacity > self.n_ctx:
