@@ -230,7 +230,8 @@ class RemoteDistill:
                                 "prompts_available": len(pool), "files": self.files}
         run.save()
         run.log(f"fit: {per_answer:.2f} s an answer from {source_text(run.state['source'])}, {per_feature:.2f} s its "
-                f"features: {greedy} greedy and {n - greedy} sampled answers in ~{n * (per_answer + per_feature):.0f} s "
+                f"features: {greedy} greedy and {n - greedy} sampled answers in "
+                f"~{n * (per_answer + per_feature):.0f} s "
                 f"(answers ~{n * per_answer:.0f} s, features ~{n * per_feature:.0f} s)")
 
     def ask(self, server, kw: dict) -> bool:

@@ -38,7 +38,8 @@ def read_data(paths: str | os.PathLike) -> list[dict]:
     for path in [p.strip() for p in str(paths).split(",") if p.strip()]:
         if not Path(path).is_file():
             beside = f"; {path}.gz is beside it: name that" if Path(f"{path}.gz").is_file() else ""
-            raise FileNotFoundError(f"training data {path} does not exist (write it with `medusa-heads distill`){beside}")
+            raise FileNotFoundError(f"training data {path} does not exist "
+                                    f"(write it with `medusa-heads distill`){beside}")
         rows = read_conversations(path)
         if not rows:
             raise ValueError(f"training data {path} holds no conversations")
@@ -130,7 +131,8 @@ def evaluate(heads: MedusaHeads, split: Split, decay: float, chunk: int = 4096) 
     k = heads.config.num_heads
     hits, counted, ce_sum = torch.zeros(k, 2), torch.zeros(k), torch.zeros(k)
     for a in range(0, split.hidden.shape[0], chunk):
-        h = split.hidden[a : a + chunk].to(heads.shared_weight.dtype if heads.shared_weight is not None else torch.float32)
+        h = split.hidden[a : a + chunk].to(
+            heads.shared_weight.dtype if heads.shared_weight is not None else torch.float32)
         t = split.targets[a : a + chunk]
         logits = heads(h, split.context[a : a + chunk])
         hh, cc = topk_hits(logits, t)
@@ -149,7 +151,8 @@ def evaluate(heads: MedusaHeads, split: Split, decay: float, chunk: int = 4096) 
 
 # ---- checkpoints: safetensors + JSON only, written to a temporary folder and renamed -------------------------------
 
-def save_checkpoint(folder: Path, write: Callable[[Path], None], optimizer, scheduler, step: int, recipe: TrainRecipe) -> None:
+def save_checkpoint(folder: Path, write: Callable[[Path], None], optimizer, scheduler, step: int,
+                    recipe: TrainRecipe) -> None:
     """All or nothing: what `write(folder)` puts there (the heads, an adapter), the optimizer and scheduler state."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -158,7 +161,8 @@ def save_checkpoint(folder: Path, write: Callable[[Path], None], optimizer, sche
     state = optimizer.state_dict()
     tensors = {f"state.{i}.{name}": v.detach().cpu() for i, s in state["state"].items() for name, v in s.items()}
     save_file(tensors or {"empty": torch.zeros(0)}, tmp / "optimizer.safetensors")
-    meta = {"step": step, "param_groups": state["param_groups"], "scheduler": scheduler.state_dict(), "recipe": recipe.to_dict()}
+    meta = {"step": step, "param_groups": state["param_groups"], "scheduler": scheduler.state_dict(),
+            "recipe": recipe.to_dict()}
     (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=1))
     follow_umask(tmp)  # save_file (the optimizer's, an adapter's) writes 0600
     old = folder.with_name(folder.name + ".old")
@@ -196,7 +200,8 @@ def plot_log(log_path: Path, png: Path) -> None:
     a.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval loss")
     a.set_xlabel("step")
     a.legend()
-    for k in range(1, 1 + max((int(key.split("_")[1]) for key in (evals[0] if evals else {}) if key.startswith("top1_")), default=0)):
+    for k in range(1, 1 + max((int(key.split("_")[1]) for key in (evals[0] if evals else {})
+                               if key.startswith("top1_")), default=0)):
         b.plot([r["step"] for r in evals], [r[f"top1_{k}"] for r in evals], "o-", label=f"head {k} top-1")
     b.set_xlabel("step")
     b.set_ylabel("held-out accuracy")
@@ -319,7 +324,8 @@ def _steps(recipe: TrainRecipe, accelerator, job: Job, out: Path, ckpt: Path, de
             _log(log_path, {"kind": "train", "step": step, "loss": last_loss, "lr": job.scheduler.get_last_lr()[0],
                             **parts, "seconds": time.time() - t0}, {"kind": "eval", "step": step, **last_eval})
             plot_log(log_path, out / "train_plot.png")
-            accelerator.print(f"step {step}: " + " ".join(f"head{i + 1} top1 {last_eval[f'top1_{i + 1}']:.3f}" for i in range(recipe.num_heads)))
+            accelerator.print(f"step {step}: " + " ".join(f"head{i + 1} top1 {last_eval[f'top1_{i + 1}']:.3f}"
+                                                          for i in range(recipe.num_heads)))
         if main and (step % recipe.save_every == 0 or step == last):
             job.save(step)
             crash_point("train")
@@ -336,7 +342,8 @@ def _optimizer_step(recipe: TrainRecipe, accelerator, job: Job, step: int, ckpt:
         with accelerator.accumulate(*job.modules):
             loss, parts = job.loss(batch)
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}; the last good checkpoint is {ckpt}")
+                raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}; "
+                                         f"the last good checkpoint is {ckpt}")
             accelerator.backward(loss)
             job.optimizer.step()  # accelerate's wrapper steps only when the accumulated gradients are synced
             if accelerator.sync_gradients:
