@@ -337,6 +337,7 @@ def test_trees_shrink_where_the_heads_are_wrong():
     assert sizes[0] > 4 and sum(sizes[-10:]) < sum(sizes[:10]) / 3, sizes
 
 
+@pytest.mark.slow
 def test_adaptive_sampling_is_exact_with_plain_steps_among_tree_steps():
     base = tiny_model("llama", seed=5, vocab_size=6, initializer_range=0.6)
     # trees are cheap after 3 cached tokens (the first step) and dear from 4 on: plain steps follow tree steps

@@ -160,6 +160,7 @@ def test_every_tree_row_is_its_plain_step(arch):
     assert_rows_keep_the_promise(rows, BF16_ROWS)
 
 
+@pytest.mark.slow
 def test_every_tree_row_of_the_real_model_is_its_plain_step():
     """SmolLM2 in bf16, prepacked as generate runs it: random trees at contexts from 16 to 1,024 tokens (with SDPA
     101 of 118 such rows leave their plain steps, with eager attention 7: results/transformers/exact/rows.md)."""

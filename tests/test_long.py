@@ -2,6 +2,7 @@
 heads stays identical to base.generate."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from medusa_heads import MedusaModel
@@ -12,6 +13,7 @@ from conftest import chat_ids
 NEW = 1100  # base.generate's 1,100 steps are most of this test's time
 
 
+@pytest.mark.slow
 def test_a_long_greedy_generation_equals_base_generate(real_base):
     base, tok = real_base
     ids = chat_ids(tok, "Write a very long story about a lighthouse keeper and the sea, with many chapters.")

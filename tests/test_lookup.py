@@ -113,6 +113,7 @@ def test_lookup_keeps_greedy_output_the_targets(arch, grown_steps):
     assert grown_steps["grown"] > 10
 
 
+@pytest.mark.slow
 def test_lookup_keeps_sampling_exact(grown_steps):
     base = tiny_model("llama", seed=5, vocab_size=6, initializer_range=0.6)
     model = randomize_heads(MedusaModel.from_pretrained(base, heads=None, num_heads=3, tree=TREE), std=1.0)

@@ -143,6 +143,7 @@ def test_a_phrasebook_without_its_measured_acceptance_does_not_draft():
     assert torch.equal(res.sequences, ref) and res.stats.tokens_per_step == plain.stats.tokens_per_step
 
 
+@pytest.mark.slow
 def test_adaptive_sampling_is_exact_with_a_phrasebook():
     base = tiny_model("llama", seed=5, vocab_size=6, initializer_range=0.6)
     cost = CostModel(contexts=(3, 4), sizes=(1, 2, 4, 32), ms=((10.0, 10.5, 11.0, 60.0), (10.0, 11.0, 12.0, 20.0)))

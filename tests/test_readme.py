@@ -126,6 +126,7 @@ def test_readme_training_commands_run_for_a_model_without_chat_template(tmp_path
     assert len(rows) == 8 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_readme_training_commands_run_for_the_embedded_model(tmp_path):
     prompts = ["What is 2 + 3?", "Name a colour.", "Say hello in French.", "Write one word.", "Count to three.",

@@ -104,6 +104,7 @@ def test_the_test_rejects_typical_acceptance(setup, law):
     assert p_value(law, draws(model, ids, DRAWS // 3, acceptance="typical", **SETTINGS)) < 1e-3
 
 
+@pytest.mark.slow
 def test_exact_sampling_with_a_context_dependent_processor(setup):
     """Repetition penalty reads each node's own path: the joint law must still be the target's."""
     base, model, ids = setup
@@ -113,6 +114,7 @@ def test_exact_sampling_with_a_context_dependent_processor(setup):
     assert p_value(exact_joint(base, ids, **SETTINGS), draws(model, ids, DRAWS // 3, **settings)) < 1e-3  # it matters
 
 
+@pytest.mark.slow
 def test_exact_sampling_with_path_conditioned_heads(setup, law):
     """Drafts that depend on the sampled root and on each node's path leave the law the target's."""
     base, plain, ids = setup
