@@ -15,6 +15,19 @@ os.environ.setdefault("MEDUSA_HEADS_MACHINE_COSTS", "off")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker per core: one thread each, none oversubscribed
     torch.set_num_threads(1)
 
+# Files whose tests take the longest (a minute or more each on two cores): started first, so that the workers of
+# `make test` do not end on one long test while the other idles.
+HEAVY = ("test_fit.py", "test_greedy.py", "test_readme.py", "test_adaptive.py", "test_sampling.py", "test_calibrate.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The real model's tests first, then the heavy files', then the rest; each group in collection order."""
+    def rank(item) -> int:
+        return 0 if item.get_closest_marker("real") else 1 if item.path.name in HEAVY else 2
+
+    items.sort(key=rank)
+
+
 @pytest.fixture(autouse=True)
 def _threads_as_they_were():
     """A command run in-process sets torch's threads (`--threads`, default 2): set back after each test, so that a

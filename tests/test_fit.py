@@ -115,6 +115,7 @@ def test_fit_end_to_end(tmp_path, prompts, arch, kw):
         _fit(tmp_path / "model", tmp_path / "heads", prompts, seed=1)
 
 
+@pytest.mark.slow
 def test_kill_9_in_each_phase_then_rerun_gives_the_same_heads(tmp_path, prompts):
     """The command line, killed with SIGKILL inside each phase in turn (after distill's first batch, train's first
     checkpoint, calibrate's files, the bench), rerun each time: the heads and answers of one run that was not. On a
