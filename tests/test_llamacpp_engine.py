@@ -241,5 +241,10 @@ def test_fit_on_a_gguf_file_alone_trains_heads_for_it_and_reports_llama_cpps_row
     model = MedusaModel.from_pretrained(str(path), heads=str(out))  # a .gguf base: llama.cpp runs it
     assert model.engine.kernels().startswith("llamacpp-q8_0-cpu")
     ids = chat_ids(tok, PROMPTS[0])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, eos_token_id=None)
-    assert out[0, ids.shape[1]:].tolist() == _plain(path, ids, 32)  # (the GGUF's pad token sits in the chat prompt)
+    res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, eos_token_id=None)
+    assert res[0, ids.shape[1]:].tolist() == _plain(path, ids, 32)  # (the GGUF's pad token sits in the chat prompt)
+    # the bench on that file: llama.cpp's methods of its weight type run the file itself (no folder to convert)
+    main(["bench", "--model", str(path), "--heads", str(out), "--prompts", str(prompts / "bench.jsonl"), "--methods",
+          "medusa-llamacpp-q8_0,llamacpp-q8_0", "--max-new-tokens", "16", "--threads", "1", "--out", str(tmp_path / "b")])
+    overall = json.loads((tmp_path / "b" / "results.json").read_text())["overall"]
+    assert overall["medusa-llamacpp-q8_0"]["mismatches_vs_plain"] == 0 and overall["llamacpp-q8_0"]["tokens_per_s"] > 0

@@ -117,7 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if sampling is not None:
             torch.manual_seed(args.seed)
         result = run_bench(model, tok, rows, methods, args.max_new_tokens, sampling, preset=args.preset,
-                           long_tokens=args.long_tokens)
+                           long_tokens=args.long_tokens, gguf_files=_gguf_files(args))
         result["settings"]["model"] = args.model
         if sampling is not None:
             result["settings"]["seed"] = args.seed
@@ -130,6 +130,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"calibrated tree: predicted tau {cal['predicted_tau']:.2f} / speed-up {cal['predicted_speedup']:.2f}; "
               f"measured tau {m['mean_accepted']:.2f} / speed-up {m['speedup_vs_hf']:.2f}")
     print(f"results written to {out}", file=sys.stderr)
+
+
+def _gguf_files(args: argparse.Namespace) -> dict[str, Path]:
+    """The user's own GGUF files (--model FILE.gguf, --gguf FILE) by weight type: the llama.cpp methods of that type
+    run on them, not on a file converted from --model (which a GGUF-only model cannot give)."""
+    from medusa_heads import llamacpp
+
+    files = [Path(f) for f in (args.model, getattr(args, "gguf", None)) if f and str(f).endswith(".gguf")]
+    return {llamacpp.file_weights(f): f for f in files if f.is_file()}
 
 
 def _prepare_llamacpp(methods: list[str], args: argparse.Namespace) -> None:
