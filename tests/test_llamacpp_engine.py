@@ -245,6 +245,6 @@ def test_fit_on_a_gguf_file_alone_trains_heads_for_it_and_reports_llama_cpps_row
     assert res[0, ids.shape[1]:].tolist() == _plain(path, ids, 32)  # (the GGUF's pad token sits in the chat prompt)
     # the bench on that file: llama.cpp's methods of its weight type run the file itself (no folder to convert)
     main(["bench", "--model", str(path), "--heads", str(out), "--prompts", str(prompts / "bench.jsonl"), "--methods",
-          "medusa-llamacpp-q8_0,llamacpp-q8_0", "--max-new-tokens", "16", "--threads", "1", "--out", str(tmp_path / "b")])
+          "medusa-llamacpp-q8_0,llamacpp-q8_0", "--max-new-tokens", "16", "--long-tokens", "0", "--threads", "1", "--out", str(tmp_path / "b")])
     overall = json.loads((tmp_path / "b" / "results.json").read_text())["overall"]
     assert overall["medusa-llamacpp-q8_0"]["mismatches_vs_plain"] == 0 and overall["llamacpp-q8_0"]["tokens_per_s"] > 0
