@@ -131,6 +131,8 @@ class AdaptiveDrafter:
         self._drafted: list[tuple[list[int], list[float], list[int]]] = []  # per row: parents, worth, slot
         self.observer = observer  # sees every row's candidates and kept tree, and every trial of the correction
         self._found: list[tuple[Candidates, int]] = []  # per row: its candidates and how many the tree keeps
+        self.gate = DraftGate() if rows == 1 else None  # one row: the heads rest where they do not pay
+        self._step: tuple[int, float, float] | None = None  # levels run, the step's and a plain step's modelled ms
 
     def draft(self, hidden: torch.Tensor, sequences: list[torch.Tensor], buffers: TreeBuffers) -> list[Draft]:
         self._drafted, self._found = [], []
@@ -146,9 +148,10 @@ class AdaptiveDrafter:
     @torch.no_grad()
     def _draft_row(self, h: torch.Tensor, sequence: torch.Tensor) -> Draft:
         verify_ms = self.cost.verify_ms(sequence.shape[0] - 1).tolist()  # 1..max_size tree tokens
-        found = self._row_candidates(h, sequence, verify_ms)
-        n = best_size(expected_tokens(torch.tensor(found.values), len(verify_ms)),
-                      torch.tensor(self._step_ms(verify_ms, found.levels)))
+        found = self._row_candidates(h, sequence, verify_ms, heads=self.gate is None or self.gate.open())
+        step_ms = self._step_ms(verify_ms, found.levels)
+        n = best_size(expected_tokens(torch.tensor(found.values), len(verify_ms)), torch.tensor(step_ms))
+        self._step = (found.levels, step_ms[n], step_ms[0] - found.levels * self.cost.draft_ms)
         return self._keep(found, n, h.device)
 
     @torch.no_grad()
@@ -175,19 +178,21 @@ class AdaptiveDrafter:
         tokens = torch.tensor([tok[c] for c in keep], dtype=torch.long, device=device)
         return Draft(tokens, from_parents(parents, device))
 
-    def _row_candidates(self, h: torch.Tensor, sequence: torch.Tensor, verify_ms: list[float]) -> "Candidates":
+    def _row_candidates(self, h: torch.Tensor, sequence: torch.Tensor, verify_ms: list[float],
+                        heads: bool = True) -> "Candidates":
         """This row's candidates (see _candidates_rows)."""
-        return self._candidates_rows(h[None], [sequence], verify_ms)[0]
+        return self._candidates_rows(h[None], [sequence], verify_ms, heads)[0]
 
     def _candidates_rows(self, hidden: torch.Tensor, sequences: list[torch.Tensor],
-                         verify_ms: list[float]) -> list["Candidates"]:
+                         verify_ms: list[float], heads: bool = True) -> list["Candidates"]:
         """Each row's candidates for a step whose verify costs verify_ms (1..S tree tokens): the heads' level by
         level while a level could pay for the row (_worth_drafting), the lookup's and the phrasebook's merged in, and
         the S - 1 most valuable in order. A level runs once for all the rows that draft it (a head reads its weights
-        once however many rows it scores: a drafting level is memory-bound)."""
+        once however many rows it scores: a drafting level is memory-bound). heads=False: the lookup's and the
+        phrasebook's alone (DraftGate)."""
         device = hidden.device
         rows = [_Row(int(seq[-1])) for seq in sequences]
-        for d in range(1, self.depth + 1):
+        for d in range(1, self.depth + 1 if heads else 1):
             for r in rows:  # a row that skips a level drafts no deeper one (its frontier would be a level short)
                 if r.frontier and not self._worth_drafting(d, r.val, r.frontier, self._step_ms(verify_ms, r.levels)):
                     r.frontier = []
@@ -223,9 +228,12 @@ class AdaptiveDrafter:
         return out
 
     def _step_ms(self, verify_ms: list[float], levels: int) -> list[float]:
-        """The step's milliseconds with 1..max_size tree tokens after `levels` drafting levels."""
-        extra = levels * self.cost.draft_ms + self.cost.overhead_ms
-        return [ms + extra for ms in verify_ms]
+        """The step's milliseconds with 1..max_size tree tokens after `levels` drafting levels: a tree's per-step
+        work (cost.overhead_ms) is charged to trees alone, since a plain step builds, accepts and learns from none.
+        On a fast engine that work is a fifth of a plain step, and charged to plain steps too it made trees that do
+        not pay look as if they did."""
+        extra = levels * self.cost.draft_ms
+        return [ms + extra + (self.cost.overhead_ms if n else 0.0) for n, ms in enumerate(verify_ms)]
 
     def _worth_drafting(self, d: int, val: list[float], frontier: list[int], step_ms: list[float]) -> bool:
         """Whether drafting level d (and below) could change this step's tree: its nodes are worth at most
@@ -310,6 +318,9 @@ class AdaptiveDrafter:
 
     def update(self, accepted: list[torch.Tensor]) -> None:
         """Each accepted node's children predicted sum(rate) acceptances; one was observed if the path went on."""
+        if self.gate is not None and self._step is not None:
+            levels, step_ms, plain_ms = self._step
+            self.gate.record(len(accepted[0]), step_ms / plain_ms if levels else None)
         for (parents, worth, slot), nodes in zip(self._drafted, accepted):
             nodes, trials = nodes.tolist(), []
             for depth, node in enumerate(nodes):
@@ -321,6 +332,40 @@ class AdaptiveDrafter:
             if self.observer is not None:
                 self.observer.verified(nodes, trials)
         self.correction.fit()
+
+
+class DraftGate:
+    """Whether the heads draft at a step of one row. Each step's tree is the best the heads' calibrated rates
+    predict, but drafting itself costs before any tree is chosen (a level a step, a few milliseconds: on llama.cpp's
+    quantized steps a fifth of a plain step), and on text the heads know badly even their best trees yield fewer
+    tokens per millisecond than plain steps. So the gate keeps the heads' recent record: the tokens their steps
+    yielded against those steps' modelled cost in plain steps (the cost model's; never a live timing, so output and
+    a seed's draws stay those of the tokens alone), decayed by DECAY a step. Where the tokens fall short of the cost,
+    the heads rest for `wait` steps, in which the lookup and the phrasebook still draft (they cost next to nothing),
+    and then draft again; each further shortfall doubles the wait (up to MAX_WAIT), a step that pays resets it."""
+
+    DECAY = 0.75  # weight of a step's record after one more step (about the last four steps count)
+    WAIT, MAX_WAIT = 2, 32  # steps the heads rest after their first shortfall, and at most
+
+    def __init__(self) -> None:
+        self.tokens = self.cost = 0.0  # decayed sums over the heads' steps: tokens yielded, cost in plain steps
+        self.resting, self.wait = 0, self.WAIT
+
+    def open(self) -> bool:
+        return self.resting == 0
+
+    def record(self, tokens: int, cost: float | None) -> None:
+        """A step's tokens (the accepted path and the target's own token) and its modelled cost in plain steps,
+        None where the heads did not draft it."""
+        self.tokens, self.cost = self.tokens * self.DECAY, self.cost * self.DECAY
+        if cost is None:
+            self.resting = max(self.resting - 1, 0)
+            return
+        self.tokens, self.cost = self.tokens + tokens, self.cost + cost
+        if self.tokens < self.cost:
+            self.resting, self.wait = self.wait, min(2 * self.wait, self.MAX_WAIT)
+        else:
+            self.wait = self.WAIT
 
 
 class DraftObserver:

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel, default_model_path, prompt_ids
-from medusa_heads.inference.adaptive import PRIOR, AdaptiveDrafter, Candidates, Correction
+from medusa_heads.inference.adaptive import PRIOR, AdaptiveDrafter, Candidates, Correction, DraftGate
 from medusa_heads.kernels.exact_attention import uses_exact_attention
 from medusa_heads.kernels.prepack import bf16_supported, is_prepacked
 from medusa_heads.inference.propose import Draft, RowDrafter
@@ -317,7 +317,7 @@ def test_a_level_is_skipped_only_where_drafting_it_could_not_give_a_better_tree(
             draft = drafter._draft_row(h, seq)
             worth = drafter._drafted[-1][1]  # the root's 1, then each kept node's worth
             ms = cost.verify_ms(seq.shape[0] - 1)[draft.tokens.shape[0]] + (len(calls) - before) * cost.draft_ms
-            out.append(sum(worth) / float(ms + cost.overhead_ms))
+            out.append(sum(worth) / float(ms + (cost.overhead_ms if draft.tokens.shape[0] else 0.0)))
         monkeypatch.undo()
         return out, len(calls)
 
@@ -335,6 +335,55 @@ def test_trees_shrink_where_the_heads_are_wrong():
     res = model.generate(ids, max_new_tokens=60, prompt_lookup_num_tokens=0, return_dict_in_generate=True)
     sizes = res.stats.tree_sizes
     assert sizes[0] > 4 and sum(sizes[-10:]) < sum(sizes[:10]) / 3, sizes
+
+
+def test_the_gate_rests_the_heads_while_they_lose_and_doubles_each_rest():
+    """A step whose tokens fall short of its cost in plain steps rests the heads for 2 steps, the next shortfall
+    for 4 (the record decays by DECAY a step, rested steps included); a step that pays resets the rest."""
+    gate = DraftGate()
+    assert gate.open()
+    gate.record(1, 2.0)  # a 1-token step that cost two plain steps
+    assert [gate.open() or gate.record(1, None) for _ in range(3)] == [None, None, True]
+    gate.record(1, 2.0)
+    closed = 0
+    while not gate.open():
+        gate.record(1, None)
+        closed += 1
+    assert closed == 4
+    gate.record(6, 2.0)  # pays, even with the decayed shortfalls before it
+    assert gate.open() and gate.wait == DraftGate.WAIT
+
+
+def test_the_heads_rest_where_their_trees_do_not_pay():
+    """The same drafter, steps verified two ways: where the target rejects every drafted node the heads run at a
+    minority of steps (the gate and the corrected rates stop them; the lookup still drafts); where it accepts each
+    tree's deepest path the gate stays open at every step."""
+    cost = CostModel(contexts=(0,), sizes=(1, 2, 8, 32), ms=((10.0, 11.0, 14.0, 40.0),), draft_ms=0.5, overhead_ms=1.0)
+    model = calibrated(tiny_model("llama", seed=4), cost, rates=(0.95,) * 4, std=3.0)
+    g = torch.Generator().manual_seed(0)
+
+    def open_steps(accept_all: bool) -> tuple[int, int]:
+        """Steps the gate was open at, and steps the heads ran at."""
+        drafter = AdaptiveDrafter(model.heads, model.drafting().acceptance, cost, topk=3, beam=3)
+        calls, real, opened = [], model.heads.head_logits, 0
+        model.heads.head_logits = lambda k, *a: calls.append(k) or real(k, *a)
+        try:
+            for _ in range(40):
+                opened += drafter.gate.open()
+                before = len(calls)
+                drafter._draft_row(torch.randn(32, generator=g), torch.randint(0, 96, (12,), generator=g))
+                assert drafter.gate.open() or len(calls) == before  # a closed gate runs no head
+                parents = drafter._drafted[-1][0]
+                path = [len(parents) - 1] if accept_all else [0]  # the last kept node is a deepest one
+                while path[-1] > 0:
+                    path.append(parents[path[-1]])
+                drafter.update([torch.tensor(path[::-1])])
+        finally:
+            del model.heads.head_logits
+        return opened, calls.count(0)
+
+    assert open_steps(accept_all=False)[1] < 40 / 2  # the heads ran at fewer than half the steps
+    assert open_steps(accept_all=True)[0] == 40
 
 
 @pytest.mark.slow

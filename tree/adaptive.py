@@ -169,7 +169,7 @@ class CostModel:
     sizes: tuple[int, ...]  # tree tokens measured (root included), increasing, starting at 1
     ms: tuple[tuple[float, ...], ...]  # ms[c][s]: verify over sizes[s] tokens after contexts[c] cached tokens
     draft_ms: float = 0.0  # one level of drafting (a head over the level's parents)
-    overhead_ms: float = 0.0  # per-step work besides verify and drafting (accept, commit, Python)
+    overhead_ms: float = 0.0  # per-step work a tree adds besides verify and drafting (building, accepting along it)
     fit: str = "steps"  # how timings are smoothed over sizes: "steps" or "line" (see above)
     batches: tuple[tuple[int, "CostModel"], ...] = ()  # (rows B, the cost of verifying B rows' trees at once)
     greedy: "CostModel | None" = None  # one row's verify when only argmaxes are needed (screened; see above)
