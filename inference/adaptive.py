@@ -52,6 +52,7 @@ class Correction:
     def __init__(self, slots: int) -> None:
         self.shift = [0.0] * slots
         self.trials: dict[tuple[int, float], list[float]] = {}  # (slot, logit before the shift) -> [trials, hits]
+        self._fitted = True  # no trial added since the last fit (a plain step adds none)
 
     def __call__(self, slot: int, rate: float) -> float:
         b = self.shift[slot]
@@ -66,10 +67,12 @@ class Correction:
         counts = self.trials.setdefault((slot, round(_logit(predicted) - self.shift[slot], 2)), [0.0, 0.0])
         counts[0] += 1.0
         counts[1] += observed
+        self._fitted = False
 
     def fit(self, newton_steps: int = 3) -> None:
-        if not self.trials:
+        if self._fitted:
             return
+        self._fitted = True
         slot = torch.tensor([k[0] for k in self.trials])
         z = torch.tensor([k[1] for k in self.trials])
         n, y = torch.tensor(list(self.trials.values())).T
