@@ -18,16 +18,30 @@ def alternate(tok, rows, arms: dict[Hashable, Callable[[torch.Tensor], torch.Ten
     """arms: name -> run(prompt ids) -> output ids (prompt included); rows: prompts (their first turn is used);
     reference(arm): the arm whose output each arm's is compared with. Returns (tokens/s, outputs differing) by arm.
     The loop is the library's (medusa_heads/calibration/timing.py: alternate)."""
+    speed, differ, _ = alternate_by(tok, rows, arms, reference)["overall"]
+    return speed, differ
+
+
+def alternate_by(tok, rows, arms: dict[Hashable, Callable[[torch.Tensor], torch.Tensor]],
+                 reference: Callable[[Hashable], Hashable] = lambda arm: "hf",
+                 group: Callable[[object], str] | None = None) -> dict[str, tuple[dict, dict, int]]:
+    """alternate() over all the rows ("overall") and, with `group`, over each group(row) apart as well, from the
+    same rounds: {name: (tokens/s by arm, outputs differing by arm, prompts)}."""
     names = list(arms)
-    secs, tokens, differ = ({a: 0.0 for a in names}, {a: 0 for a in names}, {a: 0 for a in names})
+    totals: dict[str, tuple[dict, dict, dict, list]] = {}  # name -> (seconds, tokens, differ, [prompts])
     prompts = (prompt_ids(tok, row.turns[0]) for row in tqdm(rows, desc="A/B", unit="prompt"))
-    for ids, results in timing.alternate(arms, prompts):
-        for arm, (out, seconds) in results.items():
-            secs[arm] += seconds
-            tokens[arm] += out.shape[1] - ids.shape[1]
-        for arm in names:
-            differ[arm] += not torch.equal(results[arm].output, results[reference(arm)].output)
-    return {a: tokens[a] / secs[a] for a in names}, differ
+    for row, (ids, results) in zip(rows, timing.alternate(arms, prompts)):
+        for name in ("overall",) if group is None else ("overall", group(row)):
+            secs, tokens, differ, count = totals.setdefault(
+                name, ({a: 0.0 for a in names}, {a: 0 for a in names}, {a: 0 for a in names}, [0]))
+            count[0] += 1
+            for arm, (out, seconds) in results.items():
+                secs[arm] += seconds
+                tokens[arm] += out.shape[1] - ids.shape[1]
+            for arm in names:
+                differ[arm] += not torch.equal(results[arm].output, results[reference(arm)].output)
+    return {name: ({a: tokens[a] / secs[a] for a in names}, differ, count[0])
+            for name, (secs, tokens, differ, count) in totals.items()}
 
 
 def builds_ab(tok, rows, models: dict, max_new_tokens: int) -> tuple[dict, dict]:

@@ -1,20 +1,18 @@
 """The per-step tree with its gate (inference/adaptive.DraftGate: the heads rest where their recent trees did not
 pay) against the same tree without it, llama.cpp's plain decoding of the same GGUF beside them, one process, arms
-alternating per prompt (calibration/timing.alternate), by category: tokens/s over plain decoding, and outputs differing."""
+alternating per prompt (ab_loop.alternate_by), by category: tokens/s over plain decoding, and outputs differing."""
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 
 import torch
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from medusa_heads import MedusaModel, default_model_path, llamacpp, prompt_ids
-from medusa_heads.calibration import timing
+from medusa_heads import MedusaModel, default_model_path, llamacpp
 from medusa_heads.inference.adaptive import DraftGate
 from medusa_heads.cli.commands import _read_prompts
 
+from experiments.ab_loop import alternate_by
 from scripts.common import parser
 
 
@@ -44,23 +42,11 @@ def main() -> None:
     for arm in arms.values():
         arm(torch.tensor([tok("Hello").input_ids]))
     rows = _read_prompts(args.prompts)[: args.limit]
-    totals = defaultdict(lambda: {"prompts": 0, "seconds": defaultdict(float), "tokens": defaultdict(int),
-                                  "differ": defaultdict(int)})
-    prompts = (prompt_ids(tok, row.turns[0]) for row in tqdm(rows, desc="A/B", unit="prompt"))
-    for row, (ids, results) in zip(rows, timing.alternate(arms, prompts)):
-        for key in ("overall", row.category or "none"):
-            t = totals[key]
-            t["prompts"] += 1
-            for arm, (out, seconds) in results.items():
-                t["seconds"][arm] += seconds
-                t["tokens"][arm] += out.shape[1] - ids.shape[1]
-                t["differ"][arm] += not torch.equal(out, results["plain"].output)
     table = {}
-    for key, t in totals.items():
-        speed = {a: t["tokens"][a] / t["seconds"][a] for a in arms}
-        table[key] = {"prompts": t["prompts"], "tokens_per_s": speed, "x_plain": {a: speed[a] / speed["plain"]
-                                                                                 for a in arms},
-                      "differ": dict(t["differ"])}
+    for name, (speed, differ, prompts) in alternate_by(tok, rows, arms, reference=lambda arm: "plain",
+                                                       group=lambda row: row.category or "none").items():
+        table[name] = {"prompts": prompts, "tokens_per_s": speed,
+                       "x_plain": {a: speed[a] / speed["plain"] for a in arms}, "differ": differ}
     lines = [f"# The gate on llama.cpp {args.gguf}: {len(rows)} prompts, {args.max_new_tokens} tokens, greedy", "",
              "| category | prompts | plain tokens/s | no gate, x plain | gate, x plain | differ (no gate, gate) |",
              "|---|---|---|---|---|---|"]

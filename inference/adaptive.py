@@ -154,7 +154,7 @@ class AdaptiveDrafter:
         found = self._row_candidates(h, sequence, verify_ms, heads=self.gate is None or self.gate.open())
         step_ms = self._step_ms(verify_ms, found.levels)
         n = best_size(expected_tokens(torch.tensor(found.values), len(verify_ms)), torch.tensor(step_ms))
-        self._step = (found.levels, step_ms[n], step_ms[0] - found.levels * self.cost.draft_ms)
+        self._step = (found.levels, step_ms[n], verify_ms[0])  # a plain step: its verify alone (_step_ms)
         return self._keep(found, n, h.device)
 
     @torch.no_grad()

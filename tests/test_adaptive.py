@@ -354,7 +354,7 @@ def test_the_gate_rests_the_heads_while_they_lose_and_doubles_each_rest():
     assert gate.open() and gate.wait == DraftGate.WAIT
 
 
-def test_the_heads_rest_where_their_trees_do_not_pay():
+def test_the_heads_rest_where_their_trees_do_not_pay(monkeypatch):
     """The same drafter, steps verified two ways: where the target rejects every drafted node the heads run at a
     minority of steps (the gate and the corrected rates stop them; the lookup still drafts); where it accepts each
     tree's deepest path the gate stays open at every step."""
@@ -366,20 +366,18 @@ def test_the_heads_rest_where_their_trees_do_not_pay():
         """Steps the gate was open at, and steps the heads ran at."""
         drafter = AdaptiveDrafter(model.heads, model.drafting().acceptance, cost, topk=3, beam=3)
         calls, real, opened = [], model.heads.head_logits, 0
-        model.heads.head_logits = lambda k, *a: calls.append(k) or real(k, *a)
-        try:
-            for _ in range(40):
-                opened += drafter.gate.open()
-                before = len(calls)
-                drafter._draft_row(torch.randn(32, generator=g), torch.randint(0, 96, (12,), generator=g))
-                assert drafter.gate.open() or len(calls) == before  # a closed gate runs no head
-                parents = drafter._drafted[-1][0]
-                path = [len(parents) - 1] if accept_all else [0]  # the last kept node is a deepest one
-                while path[-1] > 0:
-                    path.append(parents[path[-1]])
-                drafter.update([torch.tensor(path[::-1])])
-        finally:
-            del model.heads.head_logits
+        monkeypatch.setattr(model.heads, "head_logits", lambda k, *a: calls.append(k) or real(k, *a))
+        for _ in range(40):
+            opened += drafter.gate.open()
+            before = len(calls)
+            drafter._draft_row(torch.randn(32, generator=g), torch.randint(0, 96, (12,), generator=g))
+            assert drafter.gate.open() or len(calls) == before  # a closed gate runs no head
+            parents = drafter._drafted[-1][0]
+            path = [len(parents) - 1] if accept_all else [0]  # the last kept node is a deepest one
+            while path[-1] > 0:
+                path.append(parents[path[-1]])
+            drafter.update([torch.tensor(path[::-1])])
+        monkeypatch.undo()
         return opened, calls.count(0)
 
     assert open_steps(accept_all=False)[1] < 40 / 2  # the heads ran at fewer than half the steps
