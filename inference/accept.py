@@ -39,6 +39,8 @@ def accept_choices(tree_tokens: torch.Tensor, choice: torch.Tensor, buffers: Tre
 
     Returns (accepted node indices, root first; the bonus token id)."""
     paths = buffers.paths  # (P, D + 1)
+    if paths.shape[1] == 1:  # the root alone: a plain step
+        return paths[0], int(choice[0])
     match = tree_tokens[paths[:, 1:]] == choice[paths[:, :-1]]  # (P, D)
     row, n = longest_path(match, buffers)
     nodes = paths[row, : n + 1]

@@ -63,6 +63,7 @@ class LlamaCppEngine:
         self.n_ctx = min(n_ctx, llama.llama_model_n_ctx_train(self.model) or n_ctx)
         self._idle: list[_Context] = []
         self._lock = threading.Lock()
+        self._layouts: dict[int, _Layout] = {}  # by id(TreeBuffers): each holds its buffers, so no id is reused
         self.row_cap = self._row_cap()  # the most tree tokens whose rows keep a one-token step's bits (None: any)
 
     def _row_cap(self) -> int | None:
@@ -94,6 +95,16 @@ class LlamaCppEngine:
                 return None if kept == 1 else kept
             kept = n
         return None
+
+    def layout(self, buffers: TreeBuffers) -> "_Layout":
+        """A tree shape's batch layout, made once (a dict's get and set are atomic: threads may race to make one)."""
+        shape = self._layouts.get(id(buffers))
+        if shape is None:
+            shape = _Layout(buffers)
+            if len(self._layouts) >= 4096:  # as many shapes as from_parents keeps
+                self._layouts = {}
+            self._layouts[id(buffers)] = shape
+        return shape
 
     def kernels(self) -> str:
         return f"llamacpp-{self.weights}-cpu-{isa()}"
@@ -168,7 +179,7 @@ class LlamaCppSession:
         self.past = 0
         self.spent = 0  # cells of rejected nodes left in place, on sequence SPENT
         self._paths = 0  # sequences 1..paths hold the last verified tree's paths (0: it ran on sequence 0 alone)
-        self._leaf_path: np.ndarray | None = None  # (T,) a path through each node of the last tree, 0 for none
+        self._shape: _Layout | None = None  # the last verified tree's layout
 
     def prefill(self, input_ids: torch.Tensor) -> TargetOutput:
         """The prompt as llama.cpp's own plain decoding reads it (llama-cpp-python's Llama.eval): chunks of BATCH
@@ -185,17 +196,13 @@ class LlamaCppSession:
         return out
 
     def verify(self, tokens: torch.Tensor, buffers: TreeBuffers, greedy: bool) -> TargetOutput:
-        paths = _paths(buffers)  # (T, P) which root-to-leaf paths run through each node
-        n_paths = paths.shape[1]
-        if n_paths + 2 > MAX_SEQUENCES:
-            raise ValueError(f"a tree of {n_paths} leaves: the llama.cpp engine takes at most {MAX_SEQUENCES - 2}")
-        if n_paths > 1:
-            for s in range(1, n_paths + 1):
+        shape = self.engine.layout(buffers)
+        if shape.paths > 1:
+            for s in range(1, shape.paths + 1):
                 self.lib.llama_memory_seq_cp(self.c.memory, 0, s, -1, -1)
-        self._paths = n_paths if n_paths > 1 else 0
-        positions = self.past + buffers.depth.cpu().numpy()
-        self._positions = positions
-        return self._decode(tokens.tolist(), positions, paths if n_paths > 1 else None)
+        self._shape, self._paths = shape, shape.paths if shape.paths > 1 else 0
+        self._positions = self.past + shape.depth
+        return self._decode(tokens.tolist(), self._positions, shape if shape.paths > 1 else None)
 
     def commit(self, keep: torch.Tensor) -> None:
         """The cells of the accepted path (a sequence's, from the root) get sequence 0; rejected cells after the last
@@ -204,13 +211,14 @@ class LlamaCppSession:
         end = self.past + n
         if self._paths:
             last = int(keep[-1])
-            path = int(self._leaf_path[last])  # a path through the last accepted node holds the whole path
+            leaf_path = self._shape.leaf_path
+            path = leaf_path[last]  # a path through the last accepted node holds the whole path
             llama.llama_memory_seq_cp(mem, path, 0, self.past, end)
             accepted = set(keep.tolist())
             for i in range(1, last):
                 if i not in accepted:
                     q = int(self._positions[i])  # path leaf_path[i] holds node i alone at its position
-                    llama.llama_memory_seq_cp(mem, int(self._leaf_path[i]), SPENT, q, q + 1)
+                    llama.llama_memory_seq_cp(mem, leaf_path[i], SPENT, q, q + 1)
                     self.spent += 1
             for s in range(1, self._paths + 1):
                 llama.llama_memory_seq_rm(mem, s, -1, -1)
@@ -243,34 +251,54 @@ class LlamaCppSession:
             self.engine.release(self.c)
             self.c = None
 
-    def _decode(self, tokens: list[int], positions: np.ndarray, paths: np.ndarray | None,
+    def _decode(self, tokens: list[int], positions: np.ndarray, shape: "_Layout | None",
                 outputs: str = "all") -> TargetOutput:
-        """One llama_decode of `tokens` at `positions`: on sequence 0, or on the paths through each node. outputs:
-        "all" (logits and hidden states of every token), or "last" (the last token's logits alone)."""
+        """One llama_decode of `tokens` at `positions`: on sequence 0 (shape None), or each node on the paths through
+        it. outputs: "all" (logits and hidden states of every token), or "last" (the last token's logits alone)."""
         c, t = self.c, len(tokens)
         c.token[:t], c.pos[:t], c.output[:t] = tokens, positions, outputs == "all"
         c.output[t - 1] = True
-        if paths is None:
+        if shape is None:
             c.n_seq_id[:t] = 1
             for i in range(t):
                 c.seq_id[i][0] = 0
         else:
-            c.n_seq_id[:t] = paths.sum(1)
-            self._leaf_path = np.zeros(t, dtype=np.int64)
-            for i in range(t):
-                ids = paths[i].nonzero()[0] + 1
+            c.n_seq_id[:t] = shape.n_seq_id
+            for i, ids in enumerate(shape.seq_ids):
                 c.seq_id[i][: len(ids)] = ids
-                self._leaf_path[i] = ids[0]
         c.batch.n_tokens = t
         status = self.lib.llama_decode(c.ctx, c.batch)
         if status != 0:
             raise RuntimeError(f"llama_decode failed ({status}) on {t} tokens at position {int(positions[0])}")
         llama, e, n = self.lib, self.engine, t if outputs == "all" else 1
-        logits = np.ctypeslib.as_array(llama.llama_get_logits(c.ctx), (n, e.n_vocab))
-        if outputs != "all":
-            return TargetOutput(logits=torch.from_numpy(logits.copy()), hidden=None)
-        hidden = np.ctypeslib.as_array(llama.llama_get_embeddings(c.ctx), (n, e.n_embd))
-        return TargetOutput(logits=torch.from_numpy(logits.copy()), hidden=torch.from_numpy(hidden.copy()))
+        logits = _copy(llama.llama_get_logits(c.ctx), n, e.n_vocab)  # llama.cpp's buffers: the next decode reuses them
+        hidden = _copy(llama.llama_get_embeddings(c.ctx), n, e.n_embd) if outputs == "all" else None
+        return TargetOutput(logits=logits, hidden=hidden)
+
+
+def _copy(pointer, rows: int, width: int) -> torch.Tensor:
+    """(rows, width) float32 copied out of a llama.cpp output buffer."""
+    out = torch.empty(rows, width, dtype=torch.float32)
+    ctypes.memmove(out.data_ptr(), pointer, rows * width * 4)
+    return out
+
+
+class _Layout:
+    """What a tree's shape decides about its batch, found once per shape (TreeBuffers are shared by shape): its
+    root-to-leaf paths (a sequence each where there are several), each node's depth, the sequence ids it carries,
+    and a path through it."""
+
+    __slots__ = ("buffers", "paths", "depth", "n_seq_id", "seq_ids", "leaf_path")
+
+    def __init__(self, buffers: TreeBuffers) -> None:
+        on = _paths(buffers)  # (T, P) which root-to-leaf paths run through each node
+        self.buffers, self.paths = buffers, on.shape[1]  # held: the cache's key is its id
+        if self.paths + 2 > MAX_SEQUENCES:
+            raise ValueError(f"a tree of {self.paths} leaves: the llama.cpp engine takes at most {MAX_SEQUENCES - 2}")
+        self.depth = buffers.depth.cpu().numpy().astype(np.int32)
+        self.n_seq_id = on.sum(1).astype(np.int32)
+        self.seq_ids = [(row.nonzero()[0] + 1).astype(np.int32) for row in on]
+        self.leaf_path = [int(ids[0]) for ids in self.seq_ids]
 
 
 def _paths(buffers: TreeBuffers) -> np.ndarray:
