@@ -154,7 +154,7 @@ class AdaptiveDrafter:
         found = self._row_candidates(h, sequence, verify_ms, heads=self.gate is None or self.gate.open())
         step_ms = self._step_ms(verify_ms, found.levels)
         n = best_size(expected_tokens(torch.tensor(found.values), len(verify_ms)), torch.tensor(step_ms))
-        self._step = (found.levels, step_ms[n], verify_ms[0])  # a plain step: its verify alone (_step_ms)
+        self._step = (found.levels, step_ms[n], verify_ms[0] + self.cost.loop_ms)  # and a plain step's (_step_ms)
         return self._keep(found, n, h.device)
 
     @torch.no_grad()
@@ -231,12 +231,11 @@ class AdaptiveDrafter:
         return out
 
     def _step_ms(self, verify_ms: list[float], levels: int) -> list[float]:
-        """The step's milliseconds with 1..max_size tree tokens after `levels` drafting levels: a tree's per-step
-        work (cost.overhead_ms) is charged to trees alone, since a plain step builds, accepts and learns from none.
-        On a fast engine that work is a fifth of a plain step, and charged to plain steps too it made trees that do
-        not pay look as if they did."""
-        extra = levels * self.cost.draft_ms
-        return [ms + extra + (self.cost.overhead_ms if n else 0.0) for n, ms in enumerate(verify_ms)]
+        """The step's milliseconds with 1..max_size tree tokens after `levels` drafting levels: the loop's own work
+        (cost.loop_ms: lookup, acceptance, commit) at every step, and what a tree adds to it (cost.overhead_ms) to
+        trees alone, since a plain step builds, accepts and learns from none."""
+        extra, tree = self.cost.loop_ms + levels * self.cost.draft_ms, self.cost.overhead_ms
+        return [ms + extra + (tree if n else 0.0) for n, ms in enumerate(verify_ms)]
 
     def _worth_drafting(self, d: int, val: list[float], frontier: list[int], step_ms: list[float]) -> bool:
         """Whether drafting level d (and below) could change this step's tree: its nodes are worth at most

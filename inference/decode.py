@@ -22,6 +22,7 @@ class DecodeStats:
     tokens_per_step: list[int] = field(default_factory=list)  # new tokens per target forward; [0] is the prefill
     rows_per_step: list[int] = field(default_factory=list)  # batched decoding: rows still running at each forward
     tree_sizes: list[int] = field(default_factory=list)  # drafted nodes verified at each step (each row's, batched)
+    loop_seconds: list[float] = field(default_factory=list)  # each step's time outside the verify (calibrate's loop)
     seconds: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("prefill", "propose", "verify", "accept", "commit"), 0.0))
 
@@ -143,6 +144,7 @@ def run(rows: _Rows, states: list[DecodeState], plan: "DecodePlan", max_new_toke
         t4 = clock()
         for key, dt in zip(("propose", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             stats.seconds[key] += dt
+        stats.loop_seconds.append(t4 - t0 - (t2 - t1))
 
 
 class _OneRow:

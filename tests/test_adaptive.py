@@ -1,6 +1,8 @@
 """Trees chosen at each step: the selection, and output that stays exactly the target's."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -623,3 +625,22 @@ def test_the_shipped_heads_choose_trees_for_a_bf16_target_and_its_output_is_gene
         assert torch.equal(res.sequences, ref)
     else:  # a CPU whose bf16 products are not row-invariant: a 12-token verify rounds otherwise than a one-token step
         assert_diverges_only_at_a_near_tie(base, res.sequences, ref)
+
+
+def test_the_loop_is_charged_to_every_step_and_a_tree_s_work_to_trees_alone():
+    """A plain step pays the loop's own work too: charged to every size, it makes a tree that a bare verify would
+    not pay for the better choice; the gate's plain step carries it likewise. Both round-trip through the config."""
+    cost = CostModel(contexts=(0,), sizes=(1, 2), ms=((10.0, 14.0),), draft_ms=0.5, overhead_ms=0.2, loop_ms=4.0)
+    assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+    assert "loop_ms" not in dataclasses.replace(cost, loop_ms=0.0).to_dict()  # tables stored before it read as 0
+    model = calibrated(tiny_model(), cost, rates=(0.1, 0.4, 0.7, 0.97), num_heads=4)
+    drafter = AdaptiveDrafter(model.heads, model.drafting().acceptance, cost)
+    assert drafter._step_ms([10.0, 14.0], levels=2) == [15.0, 19.2]
+    tau = expected_tokens(torch.tensor([0.35]), 2)  # one node worth 0.35: 1.35 tokens against a plain step's 1
+    bare = dataclasses.replace(cost, loop_ms=0.0, overhead_ms=0.0, draft_ms=0.0)
+    assert best_size(tau, torch.tensor([10.0, 14.0])) == 0  # 0.1 against 0.096 tokens a ms: plain
+    assert best_size(tau, torch.tensor(AdaptiveDrafter(model.heads, model.drafting().acceptance, bare)
+                                       ._step_ms([10.0, 14.0], 0))) == 0
+    assert best_size(tau, torch.tensor(drafter._step_ms([10.0, 14.0], 0))) == 1  # 0.071 against 0.074: the tree
+    drafter._draft_row(torch.zeros(32), torch.tensor([1, 2, 3]))
+    assert drafter._step[2] == float(cost.verify_ms(2)[0]) + 4.0  # the gate's plain step: its verify and the loop

@@ -16,6 +16,7 @@ from medusa_heads.calibration.measure import (
     ACCEPT_EDGES, TEMPERATURES, CandidateSamples, answer_spans, calibrate_acceptance, candidate_samples, correct_ranks,
     fit_isotonic, fit_temperature, lookup_acceptance, measure_cost, merge_adaptive,
 )
+from medusa_heads.calibration.latency import fit_loop
 
 from conftest import randomize_heads, rotated_conversations, tiny_model, tiny_model_with_tokenizer
 
@@ -211,6 +212,9 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     main(no_data + ["--parts", "cost", "--prepack"])  # timings need no conversations
     main(no_data + ["--parts", "batch", "--no-prepack", "--batch-rows", "2,3"])  # added to the stock cost model
     main(common + ["--parts", "greedy", "--no-prepack"])  # likewise, where the screen serves the model (on answers)
+    greedy_out = capsys.readouterr().out
+    main(common + ["--parts", "loop", "--no-prepack"])  # the loop's own work, timed in greedy calls, added likewise
+    assert "calibrate: the loop (stock-float32-cpu-" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--batch-rows takes increasing batch sizes of 2 or more"):
         main(no_data + ["--parts", "batch", "--batch-rows", "4,1"])
     with pytest.raises(SystemExit, match="missing.jsonl: no such file"):
@@ -225,14 +229,16 @@ def test_calibrate_cli_stores_all_three_and_merges_kernels(tmp_path, capsys):
     assert acceptance.depth == 4 and acceptance.edges == ACCEPT_EDGES
     assert LookupAcceptance.from_dict(saved.adaptive["lookup"]).ngrams == (1, 2, 3)
     cost = CostModel.from_dict(saved.adaptive["cost"][f"stock-float32-cpu-{isa}"])
-    assert cost.contexts == (8, 16) and cost.sizes[-1] == 32 and cost.overhead_ms == 3.0
+    assert cost.contexts == (8, 16) and cost.sizes[-1] == 32 and cost.loop_ms > 0 and cost.overhead_ms >= 0
+    loop = saved.extra["adaptive_calibration"]["cost"][f"stock-float32-cpu-{isa}"]["loop"]
+    assert loop["steps"] > 100 and loop["fitted"]["loop_ms"] == cost.loop_ms
     assert [b for b, _ in cost.batches] == [2, 3] and cost.batched and cost.verify_ms(8, rows=2).shape == (16,)
     assert cost.batches[0][1].sizes[-1] == 16 and cost.batches[0][1].draft_ms == cost.draft_ms
     if bf16_supported():  # the screen serves the tiny model on this CPU: greedy verifies have their own table
         assert cost.greedy.sizes == cost.sizes and cost.greedy.contexts == (8, 16) and cost.for_greedy().batches == cost.batches
-        assert "verify ms (stock-float32-cpu-" + isa + ", greedy)" in capsys.readouterr().out
+        assert "verify ms (stock-float32-cpu-" + isa + ", greedy)" in greedy_out
     else:
-        assert cost.greedy is None and "no greedy cost to measure" in capsys.readouterr().out
+        assert cost.greedy is None and "no greedy cost to measure" in greedy_out
     assert saved.extra["adaptive_calibration"]["cost"][f"stock-float32-cpu-{isa}"]["repeats"] == 1  # kept beside the batch's
     assert saved.extra["adaptive_calibration"]["acceptance"]["method"] in ("isotonic", "temperature")
     report = (tmp_path / "report" / "report.md").read_text()
@@ -267,3 +273,23 @@ def test_a_greedy_verify_is_timed_on_answer_text_after_the_context():
     assert text.tolist() == list(range(23, 30)) + list(range(100, 119))
     with pytest.raises(ValueError, match="too few for an answer after 100 tokens"):
         answer_text([first, second], context=100, length=6)
+
+
+def test_the_loop_s_cost_is_fitted_from_its_steps():
+    """fit_loop recovers each term from noisy steps, leaves out a preempted one, and where too few steps drafted or
+    kept nodes, takes the measured level and folds the tree's work into the loop's."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(400):
+        kept, levels = (i % 3) * 2, (i % 4) if i % 3 else 0  # plain steps, trees without levels, trees with them
+        ms = 1.2 + 0.4 * (kept > 0) + 0.7 * levels + 0.02 * float(torch.randn(1, generator=g))
+        rows.append((kept, levels, ms))
+    rows.append((0, 0, 80.0))  # a collection mid-step
+    values, seen = fit_loop(rows, draft_ms=0.3)
+    assert values == pytest.approx({"loop_ms": 1.2, "overhead_ms": 0.4, "draft_ms": 0.7}, abs=0.01)
+    assert seen["steps"] == 401 and seen["dropped"] == 1 and seen["drafting steps"] > 100
+    few = [(4, 0, 1.6)] * 300 + [(0, 0, 1.2)] * 5 + [(4, 1, 2.3)] * 5
+    values, _ = fit_loop(few, draft_ms=0.7)
+    assert values["draft_ms"] == 0.7 and values["overhead_ms"] == 0.0 and 1.2 < values["loop_ms"] < 1.6
+    with pytest.raises(ValueError, match="no step to time"):
+        fit_loop([], draft_ms=0.3)

@@ -173,6 +173,7 @@ class CostModel:
     fit: str = "steps"  # how timings are smoothed over sizes: "steps" or "line" (see above)
     batches: tuple[tuple[int, "CostModel"], ...] = ()  # (rows B, the cost of verifying B rows' trees at once)
     greedy: "CostModel | None" = None  # one row's verify when only argmaxes are needed (screened; see above)
+    loop_ms: float = 0.0  # the decode loop's own work at every step, a plain one too (lookup, acceptance, commit)
 
     def __post_init__(self) -> None:
         rows = [b for b, _ in self.batches]
@@ -255,19 +256,23 @@ class CostModel:
         if self.greedy is None:
             return self
         return dataclasses.replace(self.greedy, draft_ms=self.draft_ms, overhead_ms=self.overhead_ms,
-                                   batches=self.batches)
+                                   loop_ms=self.loop_ms, batches=self.batches)
 
     def with_greedy(self, greedy: "CostModel") -> "CostModel":
         """This model with the greedy verify's table (replacing any); its drafting and overhead are this model's."""
-        return dataclasses.replace(self, greedy=dataclasses.replace(greedy, draft_ms=0.0, overhead_ms=0.0))
+        return dataclasses.replace(self, greedy=dataclasses.replace(greedy, draft_ms=0.0, overhead_ms=0.0,
+                                                                    loop_ms=0.0))
 
     def to_dict(self) -> dict:
         out = {"contexts": list(self.contexts), "sizes": list(self.sizes), "ms": [list(r) for r in self.ms],
                "draft_ms": self.draft_ms, "overhead_ms": self.overhead_ms, "fit": self.fit}
+        if self.loop_ms:
+            out["loop_ms"] = self.loop_ms
         if self.batches:
             out["batches"] = {str(b): c.to_dict() for b, c in self.batches}
         if self.greedy is not None:
-            out["greedy"] = {k: v for k, v in self.greedy.to_dict().items() if k not in ("draft_ms", "overhead_ms")}
+            out["greedy"] = {k: v for k, v in self.greedy.to_dict().items()
+                             if k not in ("draft_ms", "overhead_ms", "loop_ms")}
         return out
 
     @classmethod
@@ -276,7 +281,7 @@ class CostModel:
         greedy = cls.from_dict(d["greedy"]) if "greedy" in d else None
         return cls(tuple(d["contexts"]), tuple(d["sizes"]), tuple(tuple(r) for r in d["ms"]),
                    float(d.get("draft_ms", 0.0)), float(d.get("overhead_ms", 0.0)), d.get("fit", "line"), batches,
-                   greedy)
+                   greedy, float(d.get("loop_ms", 0.0)))
 
     def up_to(self, size: int) -> "CostModel":
         """This one row's model for trees of at most `size` tokens (an engine whose kernels change a row's bits past

@@ -12,9 +12,9 @@ from importlib import import_module
 
 # measure.PARTS and measure.BATCH_ROWS, kept here too so that the command line's --help imports no torch
 # (tests/test_errors.py checks that the two agree)
-PARTS = ("tree", "acceptance", "lookup", "cost", "batch", "greedy", "ngrams")
+PARTS = ("tree", "acceptance", "lookup", "cost", "batch", "greedy", "ngrams", "loop")
 BATCH_ROWS = (2, 4, 8)
-TIMED_PARTS = ("tree", "cost", "batch", "greedy")  # what stores timings of this machine
+TIMED_PARTS = ("tree", "cost", "batch", "greedy", "loop")  # what stores timings of this machine
 MAX_SMALL_TREE_RATIO = 3.0  # a verify of 2-4 tokens costs ~1-1.5x a plain step on CPUs and GPUs; 3x: a disturbed run
 
 

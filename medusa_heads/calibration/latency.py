@@ -259,3 +259,65 @@ def measure_engine_cost(engine, heads, vocab: int, sizes: tuple[int, ...] = COST
     ms = ms_table(lambda c: engine_latency(engine, list(sizes), c, repeats, vocab), contexts, sizes)
     draft = round(level_draft_ms(heads, topk=topk), 3)
     return CostModel(tuple(contexts), tuple(sizes), ms, draft_ms=draft, overhead_ms=overhead_ms, fit="measured")
+
+
+LOOP_PROMPTS = 6  # held-out prompts whose greedy calls measure the loop
+LOOP_TOKENS = 128  # new tokens each
+
+
+class _Steps:
+    """A DraftObserver (inference/adaptive.py) that keeps each step's kept nodes and drafting levels."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int]] = []
+
+    def drafted(self, sequence, candidates, kept: int) -> None:
+        self.steps.append((kept, candidates.levels))
+
+    def verified(self, accepted, trials) -> None:
+        pass
+
+
+def measure_loop(model, drafting, prompts: list[torch.Tensor], max_new_tokens: int = LOOP_TOKENS) -> tuple[dict, dict]:
+    """What the decode loop itself costs a step, besides the verify: greedy calls of `model` with the per-step tree
+    of `drafting` on `prompts`, each step's time outside its verify (DecodeStats.loop_seconds) fitted by least
+    squares as loop + tree x (it kept nodes) + level x (drafting levels it ran). Returns ({"loop_ms", "overhead_ms",
+    "draft_ms"}, what the fit saw). A level's cost is fitted too: in the loop it costs the heads' product and its
+    Python around it, which level_draft_ms' product alone leaves out; where too few steps drafted to tell (the heads
+    resting on these prompts) it stays the measured product's."""
+    rows = []
+    for i, ids in enumerate([prompts[0], *prompts]):  # the first call warms up
+        seen = _Steps()
+        drafter = drafting.adaptive_drafter(drafting.lookup_tokens, observer=seen)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, drafter=drafter, prompt_lookup_num_tokens=0,
+                             return_dict_in_generate=True)
+        # the last steps: an engine whose prefill hands over no hidden state verifies the root alone, undrafted, first
+        loop = out.stats.loop_seconds[len(out.stats.loop_seconds) - len(seen.steps):]
+        if i:
+            rows += [(kept, levels, 1000 * s) for (kept, levels), s in zip(seen.steps, loop)]
+    return fit_loop(rows, drafting.cost.draft_ms)
+
+
+def fit_loop(rows: list[tuple[int, int, float]], draft_ms: float, least: int = 20) -> tuple[dict, dict]:
+    """measure_loop's fit over steps (kept nodes, drafting levels, ms outside the verify): least squares of
+    loop + tree x (kept nodes > 0) + level x levels, each at least 0. A step over 5x the median is left out (a
+    collection, a preemption). The tree's term needs `least` steps with nodes and as many without (else it is 0: the
+    loop's term takes it), the level's `least` steps that drafted (else it is `draft_ms`, subtracted first)."""
+    if not rows:
+        raise ValueError("the loop's cost: the calls drafted no step to time")
+    ms = torch.tensor([r[2] for r in rows], dtype=torch.float64)
+    keep = ms <= 5 * ms.median()
+    tree = torch.tensor([float(r[0] > 0) for r in rows], dtype=torch.float64)[keep]
+    levels = torch.tensor([float(r[1]) for r in rows], dtype=torch.float64)[keep]
+    ms = ms[keep]
+    fitted_level = int((levels > 0).sum()) >= least
+    separable = int((tree > 0).sum()) >= least and int((tree == 0).sum()) >= least
+    columns = [torch.ones_like(ms)] + [tree] * separable + [levels] * fitted_level
+    y = ms if fitted_level else ms - levels * draft_ms
+    coef = torch.linalg.lstsq(torch.stack(columns, 1), y[:, None]).solution[:, 0].clamp_min(0.0).tolist()
+    loop, overhead = coef[0], coef[1] if separable else 0.0
+    draft = coef[-1] if fitted_level else draft_ms
+    seen = {"steps": len(rows), "dropped": int((~keep).sum()), "tree steps": int((tree > 0).sum()),
+            "drafting steps": int((levels > 0).sum()), "median ms outside the verify": round(float(ms.median()), 3)}
+    return {"loop_ms": round(loop, 3), "overhead_ms": round(overhead, 3), "draft_ms": round(draft, 3)}, seen

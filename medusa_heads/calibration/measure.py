@@ -10,9 +10,11 @@ from medusa_heads.calibration.acceptance import (ACCEPT_EDGES, TEMPERATURES, Can
                                                  calibrate_acceptance, candidate_samples, fit_isotonic, fit_temperature,
                                                  log_loss, second_half)
 from medusa_heads.calibration.latency import (BATCH_CONTEXTS, BATCH_ROWS, BATCH_SIZES, COST_CONTEXTS, COST_SIZES,
+                                              LOOP_PROMPTS, LOOP_TOKENS,
                                               answer_text, batch_verify_latency, draft_latency, engine_latency,
                                               greedy_savings, level_draft_ms, measure_batch_cost, measure_cost,
-                                              measure_engine_cost, measure_greedy_cost, verify_latency)
+                                              measure_engine_cost, measure_greedy_cost, measure_loop,
+                                              verify_latency)
 from medusa_heads.inference.propose import MAX_NGRAM, lookup_match
 from medusa_heads.prompting import conversation_ids, mask_runs
 from medusa_heads.shards import segment_context
@@ -21,17 +23,18 @@ from medusa_heads.tree.calibrate import best_tree, tree_value
 from medusa_heads.tree.ngrams import NgramStore
 
 __all__ = [
-    "ACCEPT_EDGES", "BATCH_CONTEXTS", "BATCH_ROWS", "BATCH_SIZES", "COST_CONTEXTS", "COST_SIZES", "MIN_TRIALS",
+    "ACCEPT_EDGES", "BATCH_CONTEXTS", "BATCH_ROWS", "BATCH_SIZES", "COST_CONTEXTS", "COST_SIZES", "LOOP_PROMPTS",
+    "LOOP_TOKENS", "MIN_TRIALS",
     "NGRAM_TOKENS", "PARTS", "TEMPERATURES", "CandidateSamples", "answer_spans", "answer_text",
     "batch_verify_latency", "bin_rates", "brier", "calibrate_acceptance", "candidate_samples", "choose_tree",
     "correct_ranks", "draft_latency", "engine_latency", "fit_isotonic", "fit_temperature", "greedy_savings",
     "level_draft_ms", "log_loss", "lookup_acceptance", "measure_batch_cost", "measure_cost", "measure_engine_cost",
-    "measure_greedy_cost", "merge_adaptive", "ngram_acceptance", "ngram_trials", "second_half", "tokenized_answers",
-    "verify_latency",
+    "measure_greedy_cost", "measure_loop", "merge_adaptive", "ngram_acceptance", "ngram_trials", "second_half",
+    "tokenized_answers", "verify_latency",
 ]
 
 # what `medusa-heads calibrate --parts` measures
-PARTS = ("tree", "acceptance", "lookup", "cost", "batch", "greedy", "ngrams")
+PARTS = ("tree", "acceptance", "lookup", "cost", "batch", "greedy", "ngrams", "loop")
 NGRAM_TOKENS = 8  # phrasebook continuation length measured (and drafted: its acceptance's depth)
 MIN_TRIALS = 100  # the fewest trials a matched length's rates are fitted on at a depth (else all lengths' rates)
 

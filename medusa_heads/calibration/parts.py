@@ -4,7 +4,7 @@ importing this module (or torch) until it is called."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Callable
 
@@ -21,7 +21,7 @@ from medusa_heads.tree.adaptive import CostModel
 from medusa_heads.tree.calibrate import rank_paths
 from medusa_heads.tree.ngrams import NgramStore, max_order
 
-CHAINED = {"cost", "batch", "greedy"}  # one cost model: refused together
+CHAINED = {"cost", "batch", "greedy", "loop"}  # one cost model: refused together
 
 
 def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], conversations: list[dict],
@@ -54,6 +54,8 @@ def calibrate(model, tokenizer, heads_dir: str | os.PathLike, parts: list[str], 
             measure_part(run)
     if "ngrams" in parts:
         _ngrams(run, tokenizer, heads_dir, phrase_data)
+    if "loop" in parts:  # last: it runs the per-step tree on what the other parts measured
+        _loop(run, tokenizer, conversations)
     refused = {part: why for part, why in run.problems.items() if why} if not force_cost else {}
     if refused and run.cost is not None and refused.keys() & CHAINED:
         run.cost = None  # measured in this run on a loaded machine: the stored cost models stay as they were
@@ -190,6 +192,41 @@ def _greedy(run: _Run) -> None:
     run.details.setdefault("cost", {}).setdefault(key, {})["greedy"] = info
     run.cost = (key, cost)
     run.log(report.cost_table(f"{key}, greedy", cost.for_greedy()))
+
+
+def _loop(run: _Run, tokenizer, conversations: list[dict]) -> None:
+    """The decode loop's own work a step, what a tree adds to it and a drafting level in it (measure.measure_loop),
+    into the kernels' one-row cost model: greedy calls with the per-step tree on the first held-out prompts."""
+    from medusa_heads.prompting import prompt_ids
+
+    model = run.model
+    key, one_row = _one_row_cost(run.cost, model, "the loop's cost", "loop")
+    drafting = model.drafting()
+    found = {"acceptance": run.acceptance, "lookup": run.lookup, "phrase_acceptance": run.phrases,
+             "phrases": model.phrases if run.phrases is not None else None}  # measured in this run, not yet stored
+    drafting = replace(drafting, cost=one_row, **{k: v for k, v in found.items() if v is not None})
+    if drafting.acceptance is None:
+        raise ValueError("the loop's cost is measured on the per-step tree, which needs the heads' acceptance: "
+                         "calibrate --parts acceptance,loop")
+    firsts = [[m for m in c["messages"] if m["role"] == "user"][:1] for c in conversations]
+    prompts = [prompt_ids(tokenizer, m) for m in firsts if m][: measure.LOOP_PROMPTS]
+    if not prompts:
+        raise ValueError("the loop's cost needs held-out conversations with a user turn (--data)")
+    fitted = {}
+
+    def timed():
+        values, fitted["seen"] = measure.measure_loop(model, drafting, prompts)
+        batches = tuple((b, replace(c, **values)) for b, c in one_row.batches)  # a batch's model carries the row's
+        return replace(one_row, **values, batches=batches)
+
+    info = {"prompts": len(prompts), "new tokens": measure.LOOP_TOKENS}
+    cost, info = _judged(run, "loop", timed, info)
+    info.update(fitted["seen"], fitted={k: getattr(cost, k) for k in ("loop_ms", "overhead_ms", "draft_ms")})
+    run.details.setdefault("cost", {}).setdefault(key, {})["loop"] = info
+    run.cost = (key, cost)
+    run.log(f"calibrate: the loop ({key}): {cost.loop_ms:.2f} ms a step besides the verify, {cost.overhead_ms:.2f} "
+            f"ms more for a tree, {cost.draft_ms:.2f} ms a drafting level ({info['steps']} steps of "
+            f"{len(prompts)} greedy calls)")
 
 
 def _judged(run: _Run, part: str, timed, info: dict, tables=lambda cost: ()) -> tuple[CostModel, dict]:

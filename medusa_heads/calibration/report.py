@@ -120,7 +120,8 @@ def _cost_md(key: str, cost: CostModel, settings: dict) -> list[str]:
         "",
         f"Verify milliseconds (median; size 1 = a plain decoding step) by tree tokens and cached context ({how}). "
         f"One drafting level (a head's top-k for 4 parents, mean over the heads): {cost.draft_ms:.2f} ms; "
-        f"per-step overhead {cost.overhead_ms:.1f} ms. Each cell: measured, then (in brackets) what the tree "
+        f"the loop's own work {cost.loop_ms:.2f} ms a step, {cost.overhead_ms:.2f} ms more for a tree. Each cell: "
+        f"measured, then (in brackets) what the tree "
         f"selection charges after the {cost.fit!r} fit.",
         "",
         "| tree tokens | " + " | ".join(f"ctx {c}" for c in cost.contexts) + " |",
@@ -283,7 +284,8 @@ def ngram_table(detail: dict) -> str:
 
 
 def cost_table(key: str, cost) -> str:
-    lines = [f"verify ms ({key}); one drafting level {cost.draft_ms:.2f} ms, overhead {cost.overhead_ms:.1f} ms",
+    lines = [f"verify ms ({key}); one drafting level {cost.draft_ms:.2f} ms, the loop {cost.loop_ms:.2f} ms a step, "
+             f"{cost.overhead_ms:.2f} ms more for a tree",
              f"{'size':>5}" + "".join(f"{'ctx ' + str(c):>11}" for c in cost.contexts)]
     for s, size in enumerate(cost.sizes):
         lines.append(f"{size:>5}" + "".join(f"{row[s]:>11.1f}" for row in cost.ms))

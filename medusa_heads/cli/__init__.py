@@ -282,7 +282,8 @@ def _add_calibrate(command: Command) -> None:
                         "batch's verify, added to these kernels' cost: batches then draft per-step trees too), greedy "
                         "(a greedy verify, which skips the LM head through the screen, added likewise: greedy steps "
                         "are sized by it), ngrams (the target's phrasebook: an n-gram store of its distilled answers, "
-                        "ngrams.safetensors, and its acceptance)")
+                        "ngrams.safetensors, and its acceptance), loop (the decode loop's own work a step, a tree's "
+                        "and a drafting level's, timed in greedy calls on held-out prompts, added likewise)")
     c.add_argument("--model", default=DEFAULT_MODEL, help="the base model the heads draft for")
     c.add_argument("--data", default="data/distilled.jsonl",
                    help="distilled conversations (the held-out split is used; where only NAME.gz exists, that is read)")
@@ -295,7 +296,7 @@ def _add_calibrate(command: Command) -> None:
     c.add_argument("--context", type=positive, default=CAL.context, help="cached tokens when timing the verify pass")
     c.add_argument("--repeats", type=positive, default=CAL.repeats, help="timed forwards per size (the median is used)")
     c.add_argument("--overhead-ms", type=float, default=CAL.overhead_ms,
-                   help="per-step Python work besides heads and verify")
+                   help="per-step Python work a tree adds besides heads and verify (--parts loop measures it instead)")
     c.add_argument("--accept-topk", type=positive, default=CAL.accept_topk,
                    help="candidates per head in the acceptance calibration and per parent when timing a drafting level")
     c.add_argument("--lookup-tokens", type=positive, default=CAL.lookup_tokens,
@@ -308,8 +309,8 @@ def _add_calibrate(command: Command) -> None:
     c.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
                    help="the model's dtype (int8: CPU only)")
     c.add_argument("--force-cost", action="store_true",
-                   help="store timings (tree, cost, batch, greedy) even when they cannot be trusted: taken while other "
-                        "work loaded the machine, or implausible (by default they are not stored, and calibrate "
+                   help="store timings (tree, cost, batch, greedy, loop) even when they cannot be trusted: taken while "
+                        "other work loaded the machine, or implausible (by default they are not stored, and calibrate "
                         f"ends with status {MISTAKE} saying why)")
     _prepack_arg(c)
     _device_arg(c)
