@@ -86,7 +86,8 @@ bench: setup
 # The heads on llama.cpp against llama.cpp's own decoding of the same GGUF at each weight type, and its n-gram
 # self-speculation, one process, methods alternating per prompt (results/llamacpp/heads/; about 35 minutes on two
 # cores). BF16 is left out where the CPU has no bf16 instructions (llama.cpp emulates them there).
-LLAMA_HEADS := medusa-llamacpp-f32,medusa-llamacpp-q8_0,medusa-llamacpp-q4_1,medusa-llamacpp-q4_k_m,llamacpp-f32,llamacpp-q8_0,llamacpp-q4_1,llamacpp-q4_k_m,llamacpp-ngram-simple,llamacpp-q8_0-ngram-simple,llamacpp-q4_k_m-ngram-simple
+LLAMA_BF16 := $(shell grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && echo medusa-llamacpp-bf16,llamacpp-bf16,llamacpp-bf16-ngram-simple,)
+LLAMA_HEADS := $(LLAMA_BF16)medusa-llamacpp-f32,medusa-llamacpp-q8_0,medusa-llamacpp-q4_1,medusa-llamacpp-q4_k_m,llamacpp-f32,llamacpp-q8_0,llamacpp-q4_1,llamacpp-q4_k_m,llamacpp-ngram-simple,llamacpp-q8_0-ngram-simple,llamacpp-q4_k_m-ngram-simple
 
 bench-llamacpp: llamacpp-setup
 	$(MH) bench --prompts $(BENCH_PROMPTS) --methods $(LLAMA_HEADS) --long-tokens 0 --out results/llamacpp/heads
