@@ -46,3 +46,17 @@ def test_int8_drafting_keeps_the_targets_greedy_output_and_the_saved_heads(saved
         assert out.stats.steps < 40  # the int8 heads' guesses are accepted
     model.save_pretrained(tmp_path / "again")  # the fp32 weights are what is saved, not the int8 copies
     assert (tmp_path / "again" / "heads.safetensors").read_bytes() == (folder / "heads.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("inner", [8, 24, 40, 64])
+def test_an_inner_dimension_off_the_kernel_s_blocks_is_padded_not_read_past(inner):
+    """The kernel's AVX-512 path reads the inner dimension in blocks of 16 (an Intel Xeon died at 24): the weight is
+    padded with zero columns, and the product equals the dequantised weight's."""
+    from medusa_heads.kernels.draft_int8 import K_BLOCK, _int8, _product
+
+    g = torch.Generator().manual_seed(inner)
+    weight, x = torch.randn(32, inner, generator=g), torch.randn(5, 3, inner, generator=g)
+    q, scale = _int8(weight)
+    assert q.shape == (32, -(-inner // K_BLOCK) * K_BLOCK) and not q[:, inner:].any()
+    want = x.bfloat16().float() @ (q[:, :inner].float() * scale.float()[:, None]).T
+    torch.testing.assert_close(_product(x, q, scale), want, rtol=0.02, atol=0.02)

@@ -231,9 +231,14 @@ def test_bf16_greedy_is_plain_greedy(arch):
     base = bf16_model(arch)
     model, problems = load(base, tree="cpu-16")
     randomize_heads(model)
-    assert model.exact == BF16_ROWS and len(problems) == (not BF16_ROWS)
+    assert len(problems) == (not model.exact)  # a promise withheld is said at load, once
+    if BF16_ROWS and not model.exact:  # row-invariant at SmolLM2's sizes, yet a tiny layer's stock kernel may not be
+        # with its weights (qwen2's 32 x 32 o_proj on an Intel Xeon): the load's own check names that layer
+        assert "runs on the stock bf16 kernel" in problems[0], problems
+    assert model.exact <= BF16_ROWS
     length = WINDOW + 4 if "window" in arch else 5
-    assert_greedy_is_plain_greedy(base, model, BF16_ROWS, eager=bf16_model(arch, "eager"), prompts=4, length=length)
+    assert_greedy_is_plain_greedy(base, model, model.exact, eager=bf16_model(arch, "eager"), prompts=4,
+                                  length=length)
 
 
 def test_the_window_changes_the_bf16_output():

@@ -10,6 +10,7 @@ change a little, never the output, which the target's verify decides."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from medusa_heads.kernels.int8 import quantize_weight
@@ -23,13 +24,19 @@ def draft_int8_supported() -> bool:
     return hasattr(torch, "_weight_int8pack_mm")
 
 
+K_BLOCK = 16  # the kernel's AVX-512 path reads the inner dimension in blocks of 16 and dies past a partial one
+
+
 def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 weight, its inner dimension zero-padded to a multiple of K_BLOCK, and its per-row scales."""
     q, scale = quantize_weight(weight)
-    return q.contiguous(), scale.to(torch.bfloat16)
+    return F.pad(q, (0, -q.shape[1] % K_BLOCK)).contiguous(), scale.to(torch.bfloat16)
 
 
 def _product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    if rows.shape[1] != q.shape[1]:  # the padded columns multiply zeros: the sums are unchanged
+        rows = F.pad(rows, (0, q.shape[1] - rows.shape[1]))
     return torch._weight_int8pack_mm(rows, q, scale).to(x.dtype).view(*x.shape[:-1], q.shape[0])
 
 
