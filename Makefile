@@ -84,15 +84,17 @@ bench: setup
 	$(MH) bench --prompts $(BENCH_PROMPTS) --methods hf,pld,medusa,llamacpp --long-tokens 0 --out results/llamacpp
 
 # The heads on llama.cpp against llama.cpp's own decoding of the same GGUF at each weight type, and its n-gram
-# self-speculation, one process, methods alternating per prompt (results/llamacpp/heads/; about 35 minutes on two
-# cores). BF16 is left out where the CPU has no bf16 instructions (llama.cpp emulates them there).
+# self-speculation, one process, methods alternating per prompt (results/llamacpp/heads/<cpu>/, a folder per CPU kind:
+# what pays differs between them; about 35 minutes on two cores, 45 with BF16). BF16 is left out where the CPU has no
+# bf16 instructions (llama.cpp emulates them there).
+LLAMA_CPU := $(shell grep -q AuthenticAMD /proc/cpuinfo 2>/dev/null && echo epyc || echo xeon)-$(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx512 || echo avx2)
 LLAMA_BF16 := $(shell grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null && echo medusa-llamacpp-bf16,llamacpp-bf16,llamacpp-bf16-ngram-simple,)
 LLAMA_HEADS := $(LLAMA_BF16)medusa-llamacpp-f32,medusa-llamacpp-q8_0,medusa-llamacpp-q4_1,medusa-llamacpp-q4_k_m,llamacpp-f32,llamacpp-q8_0,llamacpp-q4_1,llamacpp-q4_k_m,llamacpp-ngram-simple,llamacpp-q8_0-ngram-simple,llamacpp-q4_k_m-ngram-simple
 
 bench-llamacpp: llamacpp-setup
-	$(MH) bench --prompts $(BENCH_PROMPTS) --methods $(LLAMA_HEADS) --long-tokens 0 --out results/llamacpp/heads
+	$(MH) bench --prompts $(BENCH_PROMPTS) --methods $(LLAMA_HEADS) --long-tokens 0 --out results/llamacpp/heads/$(LLAMA_CPU)
 	mkdir -p runs && cat data/bench_prompts_fresh.jsonl data/bench_prompts_new.jsonl > $(UNSEEN_PROMPTS)
-	$(MH) bench --prompts $(UNSEEN_PROMPTS) --methods $(LLAMA_HEADS) --long-tokens 0 --out results/llamacpp/heads/unseen
+	$(MH) bench --prompts $(UNSEEN_PROMPTS) --methods $(LLAMA_HEADS) --long-tokens 0 --out results/llamacpp/heads/$(LLAMA_CPU)/unseen
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)
