@@ -4,6 +4,7 @@ the model compared by their heads and their own `generate` (builds_ab), and one 
 between calls (settings_ab). The loop itself is the library's (medusa_heads/calibration/timing.py)."""
 from __future__ import annotations
 
+import json
 from typing import Callable, Hashable
 
 import torch
@@ -42,6 +43,48 @@ def alternate_by(tok, rows, arms: dict[Hashable, Callable[[torch.Tensor], torch.
                 differ[arm] += not torch.equal(results[arm].output, results[reference(arm)].output)
     return {name: ({a: tokens[a] / secs[a] for a in names}, differ, count[0])
             for name, (secs, tokens, differ, count) in totals.items()}
+
+
+def on_llamacpp(gguf: str, threads: int):
+    """(tokenizer, the embedded model with its shipped heads on llama.cpp's `gguf` weights, llama.cpp's own plain
+    decoding of the same file): what the llama.cpp A/Bs run, on `threads` threads."""
+    from transformers import AutoTokenizer
+
+    from medusa_heads import MedusaModel, default_model_path, llamacpp
+
+    torch.set_num_threads(threads)
+    path = default_model_path()
+    model = MedusaModel.from_pretrained(path, gguf=gguf, threads=threads)
+    return AutoTokenizer.from_pretrained(path), model, llamacpp.Plain(llamacpp.gguf(path, gguf), threads=threads)
+
+
+def against_plain(tok, rows, plain, max_new_tokens: int, heads: dict, title: list[str],
+                  out: str | None) -> dict:
+    """llama.cpp's plain decoding (`plain`: llamacpp.Plain) against arms of the heads on it (name -> run(prompt ids)
+    -> output ids), each warmed up once, then alternate_by() by category with plain as every arm's reference: a
+    markdown table of each arm's tokens/s over plain and its outputs differing, under `title` (lines), printed and
+    written to `out` with the numbers as JSON. Returns the numbers by category."""
+    arms = {"plain": lambda ids: torch.tensor([ids[0].tolist() + plain.generate(ids[0].tolist(), max_new_tokens)[0]]),
+            **heads}
+    for arm in arms.values():
+        arm(prompt_ids(tok, "Hello"))
+    table = {}
+    for name, (speed, differ, prompts) in alternate_by(tok, rows, arms, reference=lambda arm: "plain",
+                                                       group=lambda row: row.category or "none").items():
+        table[name] = {"prompts": prompts, "tokens_per_s": speed,
+                       "x_plain": {a: speed[a] / speed["plain"] for a in arms}, "differ": differ}
+    others = [a for a in arms if a != "plain"]
+    lines = [*title, "", "| category | prompts | plain tokens/s | " + " | ".join(f"{a}, x plain" for a in others)
+             + f" | differ ({', '.join(others)}) |", "|---|---|---|" + "---|" * (len(others) + 1)]
+    for category, r in table.items():
+        x, d = r["x_plain"], r["differ"]
+        lines.append(f"| {category} | {r['prompts']} | {r['tokens_per_s']['plain']:.1f} | "
+                     + " | ".join(f"{x[a]:.3f}" for a in others) + f" | {', '.join(str(d[a]) for a in others)} |")
+    print("\n".join(lines))
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n\n```json\n" + json.dumps(table, indent=1) + "\n```\n")
+    return table
 
 
 def builds_ab(tok, rows, models: dict, max_new_tokens: int) -> tuple[dict, dict]:
