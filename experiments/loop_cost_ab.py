@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from medusa_heads.cli.commands import _read_prompts
 from medusa_heads.machine import cpu_name
 
@@ -47,6 +46,7 @@ def main() -> None:
         f"greedy, {args.threads} threads, {cpu_name()}", "",
         f"stored: loop {c.loop_ms} ms, tree {c.overhead_ms} ms, level {c.draft_ms} ms; with the loop: "
         f"{', '.join(f'{k} {v}' for k, v in changes.items())}"], args.out)
+
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from medusa_heads.calibration.timing import device_sync, timings
 from medusa_heads.engines.hf_cache import crop_to, new_cache
+from medusa_heads.inference.adaptive import DraftObserver
 from medusa_heads.inference.propose import HeadsDrafter
 from medusa_heads.tree.adaptive import CostModel
 from medusa_heads.tree.buffers import build_buffers, chain
@@ -265,17 +266,14 @@ LOOP_PROMPTS = 6  # held-out prompts whose greedy calls measure the loop
 LOOP_TOKENS = 128  # new tokens each
 
 
-class _Steps:
-    """A DraftObserver (inference/adaptive.py) that keeps each step's kept nodes and drafting levels."""
+class _Steps(DraftObserver):
+    """Keeps each step's kept nodes and drafting levels."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, int]] = []
 
     def drafted(self, sequence, candidates, kept: int) -> None:
         self.steps.append((kept, candidates.levels))
-
-    def verified(self, accepted, trials) -> None:
-        pass
 
 
 def measure_loop(model, drafting, prompts: list[torch.Tensor], max_new_tokens: int = LOOP_TOKENS) -> tuple[dict, dict]:

@@ -208,8 +208,8 @@ def _loop(run: _Run, tokenizer, conversations: list[dict]) -> None:
     if drafting.acceptance is None:
         raise ValueError("the loop's cost is measured on the per-step tree, which needs the heads' acceptance: "
                          "calibrate --parts acceptance,loop")
-    firsts = [[m for m in c["messages"] if m["role"] == "user"][:1] for c in conversations]
-    prompts = [prompt_ids(tokenizer, m) for m in firsts if m][: measure.LOOP_PROMPTS]
+    firsts = [turns[:1] for c in conversations if (turns := [m for m in c["messages"] if m["role"] == "user"])]
+    prompts = [prompt_ids(tokenizer, m) for m in firsts[: measure.LOOP_PROMPTS]]  # only those it runs, tokenized
     if not prompts:
         raise ValueError("the loop's cost needs held-out conversations with a user turn (--data)")
     fitted = {}
